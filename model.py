@@ -1,0 +1,138 @@
+"""A GPT in nanoGPT's shape and checkpoint format.
+
+Training runs full causal attention over (B, T) token blocks. Inference runs one flat batch of new
+tokens from many requests at different positions; the K/V of earlier tokens live in a cache object
+the caller passes (contiguous per request, or the paged pool), so the model never changes with it.
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 256
+    vocab_size: int = 2048
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+    bias: bool = True
+
+
+def attend(q, k, v, q_pos):
+    """Attention of padded queries over padded keys; padding is never attended.
+
+    q: (H, B, Q, D), k/v: (H, B, L, D), q_pos: (B, Q) absolute position of each query.
+    Key j of row b is visible to a query at position p iff j <= p: causal, and blind to the
+    padding past each row's length, because a row's queries never sit past its last key.
+    """
+    scores = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(q.size(-1)))  # (H, B, Q, L)
+    visible = torch.arange(k.size(2), device=q.device) <= q_pos[..., None]  # (B, Q, L)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return scores.softmax(-1) @ v
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        assert config.n_embd % config.n_head == 0
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.n_head, self.n_embd, self.dropout = config.n_head, config.n_embd, config.dropout
+
+    def forward(self, x, cache=None, layer=0):
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=-1)
+        hs = self.n_embd // self.n_head
+        if cache is None:  # training: x is (B, T, C)
+            B, T, C = x.shape
+            q, k, v = (t.view(B, T, self.n_head, hs).transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+            drop = self.dropout if self.training else 0.0
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True)
+            y = y.transpose(1, 2).reshape(B, T, C)
+        else:  # inference: x is (N, C), new tokens of many requests; the cache knows whose and where
+            N, C = x.shape
+            q, k, v = (t.view(N, self.n_head, hs) for t in (q, k, v))  # (N, H, D)
+            y = cache.attend(layer, q, k, v).reshape(N, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x))))  # exact (erf) GELU, as GPT-2
+
+
+class Block(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cache=None, layer=0):
+        x = x + self.attn(self.ln_1(x), cache, layer)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            drop=nn.Dropout(config.dropout),
+            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # weight tying, as GPT-2
+        for name, p in self.named_parameters():  # GPT-2's init; residual projections scaled by depth
+            if name.endswith("weight") and p.dim() == 2:
+                std = 0.02 / math.sqrt(2 * config.n_layer) if name.endswith("c_proj.weight") else 0.02
+                nn.init.normal_(p, mean=0.0, std=std)
+            elif name.endswith("bias") and "ln_" not in name:
+                nn.init.zeros_(p)
+
+    def forward(self, idx, targets=None, cache=None):
+        """Training: idx (B, T) -> logits (B, T, V) and the loss if targets are given.
+        Inference: idx (N,) new tokens -> logits (R, V) at cache.logit_rows, one row per request."""
+        pos = torch.arange(idx.size(-1), device=idx.device) if cache is None else cache.positions
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for layer, block in enumerate(self.transformer.h):
+            x = block(x, cache, layer)
+        x = self.transformer.ln_f(x)
+        if cache is not None:
+            x = x[cache.logit_rows]  # only each request's last new token can start its next one
+        logits = self.lm_head(x)
+        if targets is None:
+            return logits, None
+        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+
+
+def load_checkpoint(path, device="cpu"):
+    """A nanoGPT ckpt.pt -> GPT in eval mode. Raises ValueError with a one-line reason."""
+    try:
+        ckpt = torch.load(path, map_location=device, weights_only=True)
+        config = GPTConfig(**{k: v for k, v in ckpt["model_args"].items() if k in GPTConfig.__annotations__})
+        state = {k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()}
+        # nanoGPT without flash attention saved its causal mask as a buffer; ours needs none
+        state = {k: v for k, v in state.items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
+        model = GPT(config)
+        model.load_state_dict(state)
+    except FileNotFoundError:
+        raise ValueError(f"no checkpoint at {path}") from None
+    except Exception as e:
+        raise ValueError(f"cannot read checkpoint {path}: {type(e).__name__}: {str(e).splitlines()[0][:200]}") from None
+    return model.to(device).eval()

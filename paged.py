@@ -1,0 +1,195 @@
+"""The paged KV cache: a pool of fixed-size blocks, the allocator that hands them out, and the
+view of the pool that one model forward reads and writes.
+
+Logical position p of a request lives in slot block_table[p // block_size] * block_size + p % block_size.
+"""
+from collections import OrderedDict
+
+import torch
+import torch.nn.functional as F
+
+from model import attend
+
+
+class BlockAllocator:
+    """Clean blocks sit on a LIFO stack: the most recently freed goes out first. Full blocks in the
+    prefix cache may be held by several requests at once (ref_count). When the last holder lets go
+    they stay cached, reclaimable, and are evicted least recently released first once no clean
+    block is left."""
+
+    def __init__(self, num_blocks):
+        self.num_blocks = num_blocks
+        self.clean = list(range(num_blocks - 1, -1, -1))  # a stack: block 0 goes out first
+        self.cached = OrderedDict()  # free blocks still holding cached K/V, oldest release first
+        self.ref_count = [0] * num_blocks
+        self.hash_of = {}  # block -> hash of its content, prefix included
+        self.cache = {}  # hash -> (block, its token ids): the prefix cache
+        self.num_extra_holds = 0  # holds beyond the first on shared blocks, so shared slots count once
+
+    def num_free(self):
+        return len(self.clean) + len(self.cached)
+
+    def allocate_one(self):
+        if self.clean:
+            block = self.clean.pop()
+        elif self.cached:
+            block, _ = self.cached.popitem(last=False)
+            del self.cache[self.hash_of.pop(block)]
+        else:
+            raise RuntimeError(f"KV pool exhausted: all {self.num_blocks} blocks are held")
+        self.ref_count[block] = 1
+        return block
+
+    def allocate_n(self, n):
+        if n > self.num_free():
+            raise RuntimeError(f"KV pool exhausted: {n} blocks asked, {self.num_free()} of {self.num_blocks} free")
+        return [self.allocate_one() for _ in range(n)]
+
+    def free(self, blocks):
+        """Drop one hold on each block, tail first, so shared heads are the last to be evicted."""
+        for block in reversed(blocks):
+            self.ref_count[block] -= 1
+            if self.ref_count[block] > 0:
+                self.num_extra_holds -= 1
+            elif block in self.hash_of:
+                self.cached[block] = None
+            else:
+                self.clean.append(block)
+
+    def lookup(self, block_hash, tokens):
+        """The cached block with this hash, if it really holds these tokens: a collision never hits."""
+        hit = self.cache.get(block_hash)
+        return hit[0] if hit is not None and hit[1] == tokens else None
+
+    def share(self, block):
+        if self.ref_count[block] == 0:
+            del self.cached[block]
+        else:
+            self.num_extra_holds += 1
+        self.ref_count[block] += 1
+
+    def register(self, block, block_hash, tokens):
+        if block_hash not in self.cache and block not in self.hash_of:
+            self.cache[block_hash] = (block, tokens)
+            self.hash_of[block] = block_hash
+
+
+class KVPool:
+    """K and V of every (layer, head), allocated once: k[layer, head] is (num_blocks, block_size, head_size)."""
+
+    def __init__(self, n_layer, n_head, head_size, num_blocks, block_size, device="cpu", dtype=torch.float32):
+        shape = (n_layer, n_head, num_blocks, block_size, head_size)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.block_size = block_size
+
+
+def write_kv(k_pool, v_pool, slots, k, v):
+    """One layer's new K/V, all requests and heads, into their slots in one indexed write each.
+    k_pool, v_pool: (H, num_blocks, block_size, D); slots: (N,); k, v: (N, H, D)."""
+    H, _, _, D = k_pool.shape
+    k_pool.view(H, -1, D)[:, slots] = k.transpose(0, 1)
+    v_pool.view(H, -1, D)[:, slots] = v.transpose(0, 1)
+
+
+def gather_kv(pool, block_table):
+    """pool: (H, num_blocks, block_size, D), block_table: (B, W) -> (H, B, W * block_size, D), one read."""
+    return pool[:, block_table].flatten(2, 3)
+
+
+def gather_attend(q, k_pool, v_pool, block_table, kv_len):
+    """Decode attention straight from the pool. q: (H, B, D), block_table: (B, W), kv_len: (B,) -> (H, B, D).
+
+    Products and sums over the gathered blocks, not matmuls, so that torch.compile fuses the gather
+    into the score and value reductions instead of materializing a copy. Padded rows (kv_len 1,
+    block 0) read a harmless slot."""
+    H, B, D = q.shape
+    L = block_table.size(1) * k_pool.size(2)
+    scores = (q[:, :, None, None, :].float() * k_pool[:, block_table].float()).sum(-1).view(H, B, L) * D ** -0.5
+    scores = scores.masked_fill(torch.arange(L, device=q.device) >= kv_len[:, None], float("-inf"))
+    p = scores.softmax(-1).view(H, B, *block_table.shape[1:], k_pool.size(2), 1)
+    return (p * v_pool[:, block_table].float()).sum((2, 3)).to(q.dtype)
+
+
+def bucket(n):
+    """Round up to a power of two, so compiled shapes repeat across steps instead of recompiling."""
+    return 1 << (max(n, 1) - 1).bit_length()
+
+
+class StepBatch:
+    """Where one forward's new tokens sit. starts[i]: tokens request i has cached; lens[i]: tokens it
+    brings now. One-token requests (decode) come first, then chunks (prefill); each group attends in
+    one padded call, so a decode row never pays for a long chunk's padding."""
+
+    def __init__(self, starts, lens, device):
+        R, N, S = len(lens), sum(lens), sum(n == 1 for n in lens)
+        assert all(n == 1 for n in lens[:S]), "one-token requests must come first"
+        lens_t, starts_t = torch.tensor(lens), torch.tensor(starts)
+        ends = lens_t.cumsum(0)
+        self.row = torch.repeat_interleave(torch.arange(R), lens_t)  # (N,) request of each token
+        offset = torch.arange(N) - (ends - lens_t)[self.row]  # (N,) index inside its chunk
+        self.positions_cpu = starts_t[self.row] + offset
+        self.kv_lens = starts_t + lens_t  # (R,) keys each request has after this step
+        self.num_single, self.Q = S, max(lens[S:], default=1)
+        self.positions = self.positions_cpu.to(device)  # (N,)
+        self.logit_rows = (ends - 1).to(device)  # (R,) each request's last new token
+        self.single_pos = (self.kv_lens[:S] - 1)[:, None].to(device)  # (S, 1)
+        chunk_index = (self.row[S:] - S) * self.Q + offset[S:]  # (N - S,) into the padded (P * Q)
+        chunk_pos = torch.zeros((R - S) * self.Q, dtype=torch.long)  # NOTE: padding queries sit at 0, see key 0
+        chunk_pos[chunk_index] = self.positions_cpu[S:]
+        self.chunk_index, self.chunk_pos = chunk_index.to(device), chunk_pos.view(R - S, self.Q).to(device)
+
+    def attend(self, layer, q, k, v):
+        """q, k, v: (N, H, D) for the step's new tokens -> (N, H, D)."""
+        self.store(layer, k, v)
+        y = torch.empty_like(q)
+        S, (N, H, D), P = self.num_single, q.shape, len(self.chunk_pos)
+        if S:
+            y[:S] = self.attend_single(layer, q[:S].transpose(0, 1)).transpose(0, 1)
+        if S < N:
+            q_pad = q.new_zeros(P * self.Q, H, D)
+            q_pad[self.chunk_index] = q[S:]
+            y_pad = self.attend_chunks(layer, q_pad.view(P, self.Q, H, D).permute(2, 0, 1, 3))  # (H, P, Q, D)
+            y[S:] = y_pad.permute(1, 2, 0, 3).reshape(P * self.Q, H, D)[self.chunk_index]
+        return y
+
+
+class PagedBatch(StepBatch):
+    """The pool seen by one forward: the slot of each new token, and block tables to read through."""
+
+    compiled = None  # torch.compile(gather_attend), built on first use on CUDA
+
+    def __init__(self, pool, block_tables, starts, lens):
+        device = pool.k.device
+        super().__init__(starts, lens, device)
+        self.pool, bs, S = pool, pool.block_size, self.num_single
+        width = max(len(t) for t in block_tables)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in block_tables])  # (R, W)
+        self.slots = (table[self.row, self.positions_cpu // bs] * bs + self.positions_cpu % bs).to(device)  # (N,)
+        blocks_read = ((self.kv_lens + bs - 1) // bs).tolist()
+        self.single_table = table[:S, :max(blocks_read[:S], default=1)]  # (S, W_single)
+        self.single_len = self.kv_lens[:S]
+        self.chunk_table = table[S:, :max(blocks_read[S:], default=1)].to(device)  # (P, W_chunk)
+        self.use_compiled = device.type == "cuda"
+        if self.use_compiled:  # pad rows and width to buckets; padded rows read block 0, length 1
+            B, W = bucket(S), bucket(self.single_table.size(1))
+            self.single_table = F.pad(self.single_table, (0, W - self.single_table.size(1), 0, B - S))
+            self.single_len = F.pad(self.single_len, (0, B - S), value=1)
+        self.single_table, self.single_len = self.single_table.to(device), self.single_len.to(device)
+
+    def store(self, layer, k, v):
+        write_kv(self.pool.k[layer], self.pool.v[layer], self.slots, k, v)
+
+    def attend_single(self, layer, q):  # q: (H, S, D)
+        k_pool, v_pool = self.pool.k[layer], self.pool.v[layer]
+        if not self.use_compiled:  # eager on a CPU, gather + matmul runs ~4x faster than gather_attend
+            k, v = gather_kv(k_pool, self.single_table), gather_kv(v_pool, self.single_table)
+            return attend(q[:, :, None], k, v, self.single_pos)[:, :, 0]
+        if PagedBatch.compiled is None:
+            PagedBatch.compiled = torch.compile(gather_attend, dynamic=False)
+        S, B = q.size(1), self.single_table.size(0)
+        return PagedBatch.compiled(F.pad(q, (0, 0, 0, B - S)), k_pool, v_pool, self.single_table, self.single_len)[:, :S]
+
+    def attend_chunks(self, layer, q):  # q: (H, P, Q, D)
+        k, v = gather_kv(self.pool.k[layer], self.chunk_table), gather_kv(self.pool.v[layer], self.chunk_table)
+        return attend(q, k, v, self.chunk_pos)

@@ -1,0 +1,259 @@
+"""Requests and the engines that serve them. Engine.step is one model forward: plan (which requests
+bring how many tokens) -> batch (where their K/V go, what they read) -> forward -> sample -> bookkeeping.
+Scheduler, the paged engine, plans decode plus chunked prefill under a token budget, with
+backpressure, prefix caching and preemption; the contiguous baseline (generate.py) plans its own."""
+import hashlib
+import time
+from array import array
+from collections import deque
+from itertools import chain
+
+import torch
+
+from paged import BlockAllocator, KVPool, PagedBatch
+
+
+class Request:
+    def __init__(self, prompt, max_new_tokens, temperature=0.0, top_k=None, seed=0):
+        self.tokens = list(prompt)  # the prompt, then each generated token
+        self.num_prompt, self.max_new_tokens = len(prompt), max_new_tokens
+        self.temperature, self.top_k = temperature, top_k
+        self.generator = torch.Generator().manual_seed(seed)
+        self.status = "waiting"  # -> prefilling -> decoding -> done; a preempted request waits again
+        self.block_table = []  # physical block of each logical block
+        self.num_computed = 0  # tokens whose K/V are in the cache
+        self.block_hashes = []  # chained hash of each full block of tokens, computed once each
+        self.num_cached_prompt = None  # prompt tokens the prefix cache served at first admission
+        self.arrival = self.first_token_at = self.done_at = None
+
+    @property
+    def generated(self):
+        return self.tokens[self.num_prompt:]
+
+
+def sample(logits, requests):
+    """logits (R, V) -> R token ids, with nanoGPT's temperature and top-k; temperature 0 is greedy.
+    Each request draws from its own generator, so its tokens never depend on its batch."""
+    V = logits.size(-1)
+    temperature = torch.tensor([r.temperature for r in requests], device=logits.device)
+    logits = logits.float() / torch.where(temperature > 0, temperature, 1.0)[:, None]
+    if any(r.top_k for r in requests):
+        top_k = torch.tensor([min(r.top_k or V, V) for r in requests], device=logits.device)
+        kth = logits.topk(int(top_k.max()), dim=-1).values.gather(1, top_k[:, None] - 1)  # (R, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    cdf = logits.softmax(-1).cumsum(-1)  # (R, V)
+    u = torch.tensor([torch.rand(1, generator=r.generator).item() for r in requests], device=logits.device)
+    sampled = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp(max=V - 1)
+    return torch.where(temperature > 0, sampled, logits.argmax(-1)).tolist()  # one host transfer
+
+
+class Engine:
+    """Runs requests to completion. Subclasses choose each step's tokens (schedule) and where their
+    K/V live (make_batch, release, kv_slots)."""
+
+    def __init__(self, model, max_batch=64):
+        if max_batch < 1:
+            raise ValueError(f"max_batch is {max_batch}; it must be at least 1")
+        self.model, self.max_batch, self.context = model, max_batch, model.config.block_size
+        self.device = model.lm_head.weight.device
+        self.waiting, self.running, self.finished = deque(), [], []
+        self.stats = []  # one record per step, for metrics and plots
+        self.prefill_tokens = self.num_preemptions = 0
+
+    def add(self, r):
+        """Queue a request, or refuse it with a one-line ValueError if it can never run."""
+        total = r.num_prompt + r.max_new_tokens
+        if r.num_prompt == 0:
+            raise ValueError("empty prompt: a request needs at least one token")
+        if r.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens is {r.max_new_tokens}; it must be at least 1")
+        if total > self.context:
+            raise ValueError(f"prompt of {r.num_prompt} tokens + max_new_tokens {r.max_new_tokens} = {total} "
+                             f"exceeds the model's context of {self.context}")
+        if r.temperature < 0 or (r.top_k is not None and r.top_k < 1):
+            raise ValueError(f"temperature {r.temperature} must be >= 0 and top_k {r.top_k} >= 1")
+        r.arrival = time.perf_counter()
+        self.waiting.append(r)
+
+    def run(self, requests):
+        for r in requests:
+            self.add(r)
+        while self.waiting or self.running:
+            self.step()
+        return requests
+
+    def step(self):
+        plan = self.schedule()  # [(request, number of new tokens)]
+        if not plan:  # admission always lets something run; never spin
+            raise RuntimeError(f"no progress: {len(self.waiting)} waiting, {len(self.running)} running")
+        plan.sort(key=lambda item: item[1] > 1)  # one-token requests first, as StepBatch wants
+        start = time.perf_counter()
+        new = chain.from_iterable(r.tokens[r.num_computed:r.num_computed + n] for r, n in plan)
+        idx = torch.tensor(list(new), device=self.device)  # (N,)
+        logits, _ = self.model(idx, cache=self.make_batch(plan))  # (R, V)
+        ready = [i for i, (r, n) in enumerate(plan) if r.num_computed + n == len(r.tokens)]
+        new_tokens = sample(logits[ready], [plan[i][0] for i in ready]) if ready else []
+        now = time.perf_counter()
+        for r, n in plan:
+            self.prefill_tokens += n if r.status == "prefilling" else 0
+            r.num_computed += n
+            self.computed(r, n)
+        allocated, used = self.kv_slots()
+        self.stats.append(dict(seconds=now - start, running=len(self.running), allocated=allocated, used=used,
+                               context=sum(r.num_computed for r, _ in plan)))
+        for i, token in zip(ready, new_tokens):
+            r = plan[i][0]
+            r.tokens.append(token)
+            r.status, r.first_token_at = "decoding", r.first_token_at or now
+            if len(r.tokens) - r.num_prompt == r.max_new_tokens:
+                r.status, r.done_at = "done", now
+                self.running.remove(r)
+                self.release(r)
+                self.finished.append(r)
+
+    def computed(self, r, n):  # hook: r's K/V just grew by n tokens
+        pass
+
+    def kv_slots(self):  # (slots allocated, slots holding a token's K/V)
+        used = sum(r.num_computed for r in self.running)
+        return used, used
+
+
+class Scheduler(Engine):
+    """The paged engine. A step takes every decoding request's next token, then prefill chunks of
+    admitted requests, then newly admitted ones, up to token_budget tokens in all."""
+
+    def __init__(self, model, num_blocks, block_size=16, token_budget=256, max_batch=64, prefix_cache=True):
+        super().__init__(model, max_batch)
+        if min(block_size, token_budget, num_blocks) < 1:
+            raise ValueError(f"block_size {block_size}, token_budget {token_budget} and num_blocks {num_blocks} "
+                             "must each be at least 1")
+        c = model.config
+        self.pool = KVPool(c.n_layer, c.n_head, c.n_embd // c.n_head, num_blocks, block_size, self.device,
+                           model.lm_head.weight.dtype)
+        self.allocator = BlockAllocator(num_blocks)
+        self.block_size, self.token_budget, self.prefix_cache = block_size, token_budget, prefix_cache
+        self.max_running = min(max_batch, token_budget)  # so every decoding request fits in a step
+        self.watermark = max(1, num_blocks // 100)  # kept free at admission, for running requests to grow
+        self.prompt_tokens = self.cached_prompt_tokens = 0
+
+    def blocks_for(self, num_tokens):
+        return -(-num_tokens // self.block_size)
+
+    def add(self, r):
+        need = self.blocks_for(r.num_prompt + r.max_new_tokens - 1)  # the last token is never fed back
+        if need > self.allocator.num_blocks:
+            raise ValueError(f"a request of {r.num_prompt} + {r.max_new_tokens} tokens needs {need} blocks of "
+                             f"{self.block_size}, but the pool has only {self.allocator.num_blocks}")
+        super().add(r)
+
+    def schedule(self):
+        budget, plan = self.token_budget, []
+        for r in list(self.running):  # oldest first, so preemption takes the newest
+            if r.status == "decoding" and self.reserve_slot(r):
+                plan.append((r, 1))
+                budget -= 1
+        prefilling = [r for r in self.running if r.status == "prefilling"]
+        while self.waiting and budget > sum(len(r.tokens) - r.num_computed for r in prefilling):
+            if not self.admit(self.waiting[0]):
+                break
+            prefilling.append(self.waiting.popleft())
+        for r in prefilling:  # chunks in admission order until the budget runs out
+            if budget > 0:
+                plan.append((r, min(len(r.tokens) - r.num_computed, budget)))
+                budget -= plan[-1][1]
+        return plan
+
+    def reserve_slot(self, r):
+        """Give r's next token a slot. If no block is free even after evicting cached ones, preempt the
+        newest running request, r itself included. False if r was preempted."""
+        if r.num_computed < len(r.block_table) * self.block_size:
+            return True
+        while self.allocator.num_free() == 0:
+            victim = self.running[-1]
+            self.preempt(victim)
+            if victim is r:
+                return False
+        r.block_table.append(self.allocator.allocate_one())
+        return True
+
+    def preempt(self, r):
+        """Free r's blocks (hashed ones stay cached) and requeue it first. It keeps its tokens and
+        recomputes their K/V when readmitted."""
+        self.running.remove(r)
+        self.release(r)
+        r.status, r.num_computed = "waiting", 0
+        self.waiting.appendleft(r)
+        self.num_preemptions += 1
+
+    def admit(self, r):
+        """Admit r if free blocks cover its tokens, less those the prefix cache holds, and leave the
+        watermark. Otherwise it waits, and so does everyone behind it."""
+        if len(self.running) >= self.max_running:
+            return False
+        hits = self.cached_prefix(r) if self.prefix_cache else []
+        if self.prefix_cache and self.prefix_in_flight(r, len(hits)):
+            return False  # a running request is computing this prefix's next block: wait and share it
+        new_blocks = self.blocks_for(len(r.tokens)) - len(hits)
+        taken = new_blocks + sum(self.allocator.ref_count[b] == 0 for b in hits)  # free cached hits count
+        if taken + (self.watermark if self.running else 0) > self.allocator.num_free():
+            return False
+        for block in hits:
+            self.allocator.share(block)
+        r.block_table = hits + self.allocator.allocate_n(new_blocks)
+        r.num_computed = len(hits) * self.block_size
+        if r.num_cached_prompt is None:
+            r.num_cached_prompt = r.num_computed
+            self.prompt_tokens += r.num_prompt
+            self.cached_prompt_tokens += r.num_computed
+        r.status = "prefilling"
+        self.running.append(r)
+        return True
+
+    def block_tokens(self, r, k):
+        return tuple(r.tokens[k * self.block_size:(k + 1) * self.block_size])
+
+    def block_hash(self, r, k):
+        """Chained: block k's hash covers block k-1's, so a hit on block k means blocks 0..k all match."""
+        while len(r.block_hashes) <= k:
+            parent = r.block_hashes[-1] if r.block_hashes else b""
+            tokens = array("q", self.block_tokens(r, len(r.block_hashes))).tobytes()
+            r.block_hashes.append(hashlib.blake2b(parent + tokens, digest_size=16).digest())
+        return r.block_hashes[k]
+
+    def cached_prefix(self, r):
+        """The longest run of cached full blocks heading r's tokens, leaving at least the last token to
+        compute: its logits start generation."""
+        hits = []
+        for k in range((len(r.tokens) - 1) // self.block_size):
+            block = self.allocator.lookup(self.block_hash(r, k), self.block_tokens(r, k))
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def prefix_in_flight(self, r, k):
+        """Is a prefilling request computing block k of the same prefix right now?"""
+        if k >= (len(r.tokens) - 1) // self.block_size:
+            return False
+        h, full = self.block_hash(r, k), (k + 1) * self.block_size
+        return any(o.status == "prefilling" and len(o.tokens) >= full and self.block_hash(o, k) == h
+                   for o in self.running)
+
+    def computed(self, r, n):
+        if self.prefix_cache:  # register the blocks that just filled
+            for k in range((r.num_computed - n) // self.block_size, r.num_computed // self.block_size):
+                self.allocator.register(r.block_table[k], self.block_hash(r, k), self.block_tokens(r, k))
+
+    def make_batch(self, plan):
+        return PagedBatch(self.pool, [r.block_table for r, _ in plan], [r.num_computed for r, _ in plan],
+                          [n for _, n in plan])
+
+    def release(self, r):
+        self.allocator.free(r.block_table)
+        r.block_table = []
+
+    def kv_slots(self):
+        allocated = (self.allocator.num_blocks - self.allocator.num_free()) * self.block_size
+        shared_again = self.allocator.num_extra_holds * self.block_size  # counted by each extra holder
+        return allocated, sum(r.num_computed for r in self.running) - shared_again

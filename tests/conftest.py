@@ -1,0 +1,75 @@
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from generate import ContiguousEngine  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+from scheduler import Request  # noqa: E402
+
+torch.set_num_threads(1)  # tests are many small ops; threads only add overhead on 2 cores
+
+
+def tiny_gpt(seed=0, block_size=64, vocab_size=300, n_layer=2, n_head=2, n_embd=32, dtype=torch.float64):
+    """A random GPT small enough that hundreds of engine runs fit in CI."""
+    torch.manual_seed(seed)
+    config = GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
+    return GPT(config).eval().to(dtype)
+
+
+@pytest.fixture(scope="session")
+def model():
+    return tiny_gpt()
+
+
+def make_requests(prompts, news, temperature=0.0, top_k=None):
+    return [Request(p, n, temperature, top_k, seed=1000 + i) for i, (p, n) in enumerate(zip(prompts, news))]
+
+
+def check_invariants(engine):
+    """Every block is exactly one of: clean, cached (free with a hash), or held by as many block
+    tables as its reference count says; each running request's block table covers its K/V."""
+    alloc = engine.allocator
+    holders = [0] * alloc.num_blocks
+    for r in engine.running:
+        assert len(set(r.block_table)) == len(r.block_table), f"block table repeats a block: {r.block_table}"
+        assert r.num_computed <= len(r.block_table) * engine.block_size, "block table does not cover the K/V"
+        for block in r.block_table:
+            holders[block] += 1
+    for r in engine.waiting:
+        assert not r.block_table and r.num_computed == 0, "a waiting request holds blocks"
+    clean, cached = set(alloc.clean), set(alloc.cached)
+    assert len(clean) == len(alloc.clean), "a block is twice on the clean stack"
+    for block in range(alloc.num_blocks):
+        states = (block in clean) + (block in cached) + (holders[block] > 0)
+        assert states == 1, f"block {block} is in {states} states (clean / cached / held)"
+        assert alloc.ref_count[block] == holders[block], f"block {block}: ref_count {alloc.ref_count[block]}, {holders[block]} holders"
+        assert block not in clean or block not in alloc.hash_of, f"clean block {block} keeps a hash"
+    assert cached <= set(alloc.hash_of), "a cached block has no hash"
+    assert all(alloc.hash_of[b] == h and alloc.cache[h][0] == b for h, (b, _) in alloc.cache.items())
+    assert len(alloc.cache) == len(alloc.hash_of)
+    assert alloc.num_extra_holds == sum(max(0, n - 1) for n in holders)
+
+
+def run_engine(engine, requests, arrivals=None, check=False):
+    """Add each request at its arrival step (default: all at step 0) and step until all are done."""
+    arrivals = arrivals or [0] * len(requests)
+    pending = sorted(zip(arrivals, range(len(requests))))
+    step = 0
+    while pending or engine.waiting or engine.running:
+        while pending and pending[0][0] <= step:
+            engine.add(requests[pending.pop(0)[1]])
+        if engine.waiting or engine.running:
+            engine.step()
+            if check:
+                check_invariants(engine)
+        step += 1
+        assert step < 100_000, "engine made no progress"
+    return [r.generated for r in requests]
+
+
+def baseline(model, prompts, news, temperature=0.0, top_k=None, max_batch=4):
+    return run_engine(ContiguousEngine(model, max_batch), make_requests(prompts, news, temperature, top_k))
