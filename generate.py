@@ -19,7 +19,6 @@ from paged import StepBatch
 from scheduler import Engine, Request, Scheduler
 from train_tiny import get_tokenizer, shakespeare, train
 
-
 class ContiguousBatch(StepBatch):
     """The baseline's cache seen by one forward: each request's K/V are its own tensors, grown by
     torch.cat every step, then padded side by side so each group still attends in one call."""
@@ -45,7 +44,6 @@ class ContiguousBatch(StepBatch):
         S = self.num_single
         return attend(q, self.k[:, S:], self.v[:, S:], self.chunk_pos)
 
-
 class ContiguousEngine(Engine):
     """Continuous batching without paging: up to max_batch requests run; a new one is prefilled
     whole in the same forward that decodes the others."""
@@ -65,7 +63,6 @@ class ContiguousEngine(Engine):
 
     def release(self, r):
         r.k = r.v = None
-
 
 def metrics(engine, wall_s):
     reqs, stats = engine.finished, engine.stats
@@ -87,7 +84,6 @@ def metrics(engine, wall_s):
                  prefix_hit_rate=engine.cached_prompt_tokens / max(1, engine.prompt_tokens))
     return m
 
-
 def table(runs):
     """One column per run, then each later run's ratio to the first."""
     keys = ["output_tokens", "wall_s", "output_tok_s", "ttft_ms_mean", "ttft_ms_p90", "ms_per_token", "steps",
@@ -102,7 +98,6 @@ def table(runs):
         rows.append(f"{k:<24}{cells}{ratios}")
     return "\n".join(rows)
 
-
 def workload(enc, args):
     """Prompts cut from the held-out plays, seeded; each request generates exactly its drawn count."""
     rng = random.Random(args.seed)
@@ -115,7 +110,6 @@ def workload(enc, args):
         prompts.append(shared + val[start:start + max(1, rng.randint(lo, hi) - len(shared))])
         news.append(rng.randint(*args.new_tokens))
     return prompts, news
-
 
 def serve(model, prompts, news, args, kind):
     """Run one engine over the requests; returns (requests in input order, metrics)."""
@@ -131,7 +125,6 @@ def serve(model, prompts, news, args, kind):
     if model.lm_head.weight.is_cuda:
         torch.cuda.synchronize()
     return requests, metrics(engine, time.perf_counter() - start), engine.stats
-
 
 def plot(all_stats, path):
     import matplotlib
@@ -149,7 +142,6 @@ def plot(all_stats, path):
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
-
 def at_least(least, kind=int):
     def parse(text):
         value = kind(text)
@@ -158,14 +150,12 @@ def at_least(least, kind=int):
         return value
     return parse
 
-
 def span(text):
     lo, _, hi = text.partition(":")
     lo, hi = int(lo), int(hi or lo)
     if not 1 <= lo <= hi:
         raise argparse.ArgumentTypeError(f"{text!r} is not MIN:MAX with 1 <= MIN <= MAX")
     return lo, hi
-
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -195,14 +185,10 @@ def parse_args(argv=None):
     p.add_argument("--plot", help="draw the runs to this PNG")
     return p.parse_args(argv)
 
-
-def read_prompts(args, enc, context):
+def read_prompts(args, enc):
     """The prompts as (texts, token lists, new-token counts), or exit with a one-line error."""
     if args.num_requests or args.compare:
         args.num_requests = args.num_requests or 64
-        if args.prompt_len[1] + args.new_tokens[1] > context or args.shared_prefix >= args.prompt_len[0]:
-            sys.exit(f"error: --prompt-len {args.prompt_len} and --new-tokens {args.new_tokens} must fit the model's "
-                     f"context of {context}, and --shared-prefix {args.shared_prefix} must be below the shortest prompt")
         prompts, news = workload(enc, args)
         return [enc.decode(p) for p in prompts], prompts, news
     texts = list(args.prompt or [])
@@ -215,15 +201,8 @@ def read_prompts(args, enc, context):
         if not texts:
             sys.exit(f"error: --prompts file {args.prompts} holds no prompt")
     texts = [t for t in texts or ["ROMEO:\n", "JULIET:\n", "HAMLET:\n", "KING LEAR:\n"] for _ in range(args.num_samples)]
-    prompts = [enc.encode(t, allowed_special={"<|endoftext|>"}) for t in texts]
-    for i, p in enumerate(prompts):
-        if not p:
-            sys.exit(f"error: prompt {i + 1} is empty")
-        if len(p) + args.max_new_tokens > context:
-            sys.exit(f"error: prompt {i + 1} has {len(p)} tokens; with --max-new-tokens {args.max_new_tokens} that is "
-                     f"{len(p) + args.max_new_tokens}, past the model's context of {context}")
+    prompts = [enc.encode(t, allowed_special={"<|endoftext|>"}) for t in texts]  # Engine.add checks each
     return texts, prompts, [args.max_new_tokens] * len(prompts)
-
 
 def main(argv=None):
     args = parse_args(argv)
@@ -235,7 +214,7 @@ def main(argv=None):
     except ValueError as e:
         sys.exit(f"error: {e}")
     enc = get_tokenizer(model.config.vocab_size)
-    texts, prompts, news = read_prompts(args, enc, model.config.block_size)
+    texts, prompts, news = read_prompts(args, enc)
     kinds = ["contiguous", "paged", "paged_prefix"] if args.compare else \
         ["paged" if args.no_prefix_cache else "paged_prefix"] if args.paged else ["contiguous"]
     runs, all_stats = {}, {}
@@ -257,7 +236,6 @@ def main(argv=None):
              "text": enc.decode(r.generated)} for t, r in zip(texts, requests)]}
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
-
 
 if __name__ == "__main__":
     main()

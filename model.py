@@ -1,16 +1,12 @@
-"""A GPT in nanoGPT's shape and checkpoint format.
-
-Training runs full causal attention over (B, T) token blocks. Inference runs one flat batch of new
-tokens from many requests at different positions; the K/V of earlier tokens live in a cache object
-the caller passes (contiguous per request, or the paged pool), so the model never changes with it.
-"""
+"""A GPT in nanoGPT's shape and checkpoint format. Training attends causally over (B, T) blocks.
+Inference takes one flat batch of new tokens from many requests at different positions; their
+earlier K/V live in a cache object the caller passes (contiguous or paged), unseen by the model."""
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
-
 
 @dataclass
 class GPTConfig:
@@ -22,19 +18,13 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True
 
-
 def attend(q, k, v, q_pos):
-    """Attention of padded queries over padded keys; padding is never attended.
-
-    q: (H, B, Q, D), k/v: (H, B, L, D), q_pos: (B, Q) absolute position of each query.
-    Key j of row b is visible to a query at position p iff j <= p: causal, and blind to the
-    padding past each row's length, because a row's queries never sit past its last key.
-    """
+    """q: (H, B, Q, D), k/v: (H, B, L, D), q_pos: (B, Q) -> (H, B, Q, D). Key j is visible to a query
+    at position p iff j <= p: causal, and blind to padding, as no query sits past its row's last key."""
     scores = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(q.size(-1)))  # (H, B, Q, L)
     visible = torch.arange(k.size(2), device=q.device) <= q_pos[..., None]  # (B, Q, L)
     scores = scores.masked_fill(~visible, float("-inf"))
     return scores.softmax(-1) @ v
-
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, config):
@@ -60,7 +50,6 @@ class CausalSelfAttention(nn.Module):
             y = cache.attend(layer, q, k, v).reshape(N, C)
         return self.resid_dropout(self.c_proj(y))
 
-
 class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -70,7 +59,6 @@ class MLP(nn.Module):
 
     def forward(self, x):
         return self.dropout(self.c_proj(F.gelu(self.c_fc(x))))  # exact (erf) GELU, as GPT-2
-
 
 class Block(nn.Module):
     def __init__(self, config):
@@ -83,7 +71,6 @@ class Block(nn.Module):
     def forward(self, x, cache=None, layer=0):
         x = x + self.attn(self.ln_1(x), cache, layer)
         return x + self.mlp(self.ln_2(x))
-
 
 class GPT(nn.Module):
     def __init__(self, config):
@@ -106,8 +93,7 @@ class GPT(nn.Module):
                 nn.init.zeros_(p)
 
     def forward(self, idx, targets=None, cache=None):
-        """Training: idx (B, T) -> logits (B, T, V) and the loss if targets are given.
-        Inference: idx (N,) new tokens -> logits (R, V) at cache.logit_rows, one row per request."""
+        """Training: idx (B, T) -> logits (B, T, V), loss. Inference: idx (N,) -> logits (R, V), R requests."""
         pos = torch.arange(idx.size(-1), device=idx.device) if cache is None else cache.positions
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for layer, block in enumerate(self.transformer.h):
@@ -119,7 +105,6 @@ class GPT(nn.Module):
         if targets is None:
             return logits, None
         return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
-
 
 def load_checkpoint(path, device="cpu"):
     """A nanoGPT ckpt.pt -> GPT in eval mode. Raises ValueError with a one-line reason."""

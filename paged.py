@@ -10,7 +10,6 @@ import torch.nn.functional as F
 
 from model import attend
 
-
 class BlockAllocator:
     """Clean blocks sit on a LIFO stack: the most recently freed goes out first. Full blocks in the
     prefix cache may be held by several requests at once (ref_count). When the last holder lets go
@@ -73,7 +72,6 @@ class BlockAllocator:
             self.cache[block_hash] = (block, tokens)
             self.hash_of[block] = block_hash
 
-
 class KVPool:
     """K and V of every (layer, head), allocated once: k[layer, head] is (num_blocks, block_size, head_size)."""
 
@@ -83,7 +81,6 @@ class KVPool:
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.block_size = block_size
 
-
 def write_kv(k_pool, v_pool, slots, k, v):
     """One layer's new K/V, all requests and heads, into their slots in one indexed write each.
     k_pool, v_pool: (H, num_blocks, block_size, D); slots: (N,); k, v: (N, H, D)."""
@@ -91,11 +88,9 @@ def write_kv(k_pool, v_pool, slots, k, v):
     k_pool.view(H, -1, D)[:, slots] = k.transpose(0, 1)
     v_pool.view(H, -1, D)[:, slots] = v.transpose(0, 1)
 
-
 def gather_kv(pool, block_table):
     """pool: (H, num_blocks, block_size, D), block_table: (B, W) -> (H, B, W * block_size, D), one read."""
     return pool[:, block_table].flatten(2, 3)
-
 
 def gather_attend(q, k_pool, v_pool, block_table, kv_len):
     """Decode attention straight from the pool. q: (H, B, D), block_table: (B, W), kv_len: (B,) -> (H, B, D).
@@ -110,11 +105,9 @@ def gather_attend(q, k_pool, v_pool, block_table, kv_len):
     p = scores.softmax(-1).view(H, B, *block_table.shape[1:], k_pool.size(2), 1)
     return (p * v_pool[:, block_table].float()).sum((2, 3)).to(q.dtype)
 
-
 def bucket(n):
     """Round up to a power of two, so compiled shapes repeat across steps instead of recompiling."""
     return 1 << (max(n, 1) - 1).bit_length()
-
 
 class StepBatch:
     """Where one forward's new tokens sit. starts[i]: tokens request i has cached; lens[i]: tokens it
@@ -152,7 +145,6 @@ class StepBatch:
             y_pad = self.attend_chunks(layer, q_pad.view(P, self.Q, H, D).permute(2, 0, 1, 3))  # (H, P, Q, D)
             y[S:] = y_pad.permute(1, 2, 0, 3).reshape(P * self.Q, H, D)[self.chunk_index]
         return y
-
 
 class PagedBatch(StepBatch):
     """The pool seen by one forward: the slot of each new token, and block tables to read through."""

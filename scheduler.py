@@ -12,7 +12,6 @@ import torch
 
 from paged import BlockAllocator, KVPool, PagedBatch
 
-
 class Request:
     def __init__(self, prompt, max_new_tokens, temperature=0.0, top_k=None, seed=0):
         self.tokens = list(prompt)  # the prompt, then each generated token
@@ -30,7 +29,6 @@ class Request:
     def generated(self):
         return self.tokens[self.num_prompt:]
 
-
 def sample(logits, requests):
     """logits (R, V) -> R token ids, with nanoGPT's temperature and top-k; temperature 0 is greedy.
     Each request draws from its own generator, so its tokens never depend on its batch."""
@@ -45,7 +43,6 @@ def sample(logits, requests):
     u = torch.tensor([torch.rand(1, generator=r.generator).item() for r in requests], device=logits.device)
     sampled = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp(max=V - 1)
     return torch.where(temperature > 0, sampled, logits.argmax(-1)).tolist()  # one host transfer
-
 
 class Engine:
     """Runs requests to completion. Subclasses choose each step's tokens (schedule) and where their
@@ -117,7 +114,6 @@ class Engine:
     def kv_slots(self):  # (slots allocated, slots holding a token's K/V)
         used = sum(r.num_computed for r in self.running)
         return used, used
-
 
 class Scheduler(Engine):
     """The paged engine. A step takes every decoding request's next token, then prefill chunks of

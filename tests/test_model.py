@@ -1,0 +1,183 @@
+"""The tiny GPT, its checkpoints, the tokenizer, sampling and the CLI's errors (issue 2)."""
+import json
+
+import pytest
+import torch
+from conftest import baseline, make_requests, run_engine, tiny_gpt
+
+import generate
+from generate import ContiguousBatch
+from model import GPT, GPTConfig, load_checkpoint
+from paged import KVPool, PagedBatch
+from scheduler import Request
+from train_tiny import get_tokenizer, shakespeare
+
+
+def incremental_logits(model, prompts, decode_steps, make_batch):
+    """Prefill every prompt in one forward, then decode all together; returns each step's logits."""
+    reqs = [Request(p, decode_steps + 1) for p in prompts]
+    c = model.config
+    for r in reqs:
+        r.k = [torch.empty(0, c.n_head, c.n_embd // c.n_head, dtype=torch.float64)] * c.n_layer
+        r.v = list(r.k)
+    steps = []
+    with torch.no_grad():
+        for step in range(decode_steps + 1):
+            plan = sorted([(r, len(r.tokens) - r.num_computed) for r in reqs], key=lambda item: item[1] > 1)
+            idx = torch.tensor([t for r, n in plan for t in r.tokens[r.num_computed:]])
+            logits, _ = model(idx, cache=make_batch(plan))
+            for (r, n), row in zip(plan, logits):
+                r.num_computed += n
+                r.tokens.append(int(row.argmax()))
+            order = [reqs.index(r) for r, _ in plan]
+            steps.append(logits[torch.tensor(order).argsort()])
+    return reqs, steps
+
+
+@pytest.mark.parametrize("cache", ["contiguous", "paged"])
+def test_cached_decode_equals_full_recompute(model, cache):
+    prompts = [[5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [42], [7, 7, 7]]
+    pool = KVPool(2, 2, 16, 64, 3, dtype=torch.float64)
+    tables = {}
+
+    def paged_batch(plan):
+        for r, n in plan:  # scattered blocks: request i owns blocks i, i + 8, i + 16, ...
+            tables.setdefault(id(r), [len(tables) + 8 * j for j in range(8)])
+        return PagedBatch(pool, [tables[id(r)] for r, _ in plan], [r.num_computed for r, _ in plan], [n for _, n in plan])
+
+    make_batch = paged_batch if cache == "paged" else (lambda plan: ContiguousBatch(plan, "cpu"))
+    reqs, steps = incremental_logits(model, prompts, 6, make_batch)
+    with torch.no_grad():
+        for i, r in enumerate(reqs):
+            full, _ = model(torch.tensor(r.tokens[:-1])[None])  # (1, T, V), no cache
+            for step, logits in enumerate(steps):
+                pos = len(prompts[i]) - 1 + step
+                torch.testing.assert_close(logits[i], full[0, pos], rtol=0, atol=1e-10)
+
+
+def save_nanogpt_ckpt(model, path, prefix=""):
+    state = {prefix + k: v for k, v in model.state_dict().items()}
+    torch.save({"model": state, "model_args": vars(model.config), "iter_num": 7, "best_val_loss": 3.0,
+                "config": {"dataset": "shakespeare"}, "optimizer": {}}, path)
+
+
+@pytest.mark.parametrize("prefix", ["", "_orig_mod."])
+def test_checkpoint_round_trip_gives_identical_logits(tmp_path, prefix):
+    model = tiny_gpt(seed=3, dtype=torch.float32)
+    save_nanogpt_ckpt(model, tmp_path / "ckpt.pt", prefix)
+    loaded = load_checkpoint(tmp_path / "ckpt.pt")
+    idx = torch.randint(0, 300, (2, 20))
+    assert torch.equal(model(idx)[0], loaded(idx)[0])
+
+
+def test_gpt2_conv1d_weights_transposed_into_our_names_load(tmp_path):
+    """A GPT-2 (HF) state dict, Conv1D weights transposed as nanoGPT's from_pretrained does, and the
+    causal-mask buffers nanoGPT or HF keep, loads unchanged; vocab 50257 picks the full GPT-2 BPE."""
+    config = GPTConfig(block_size=32, vocab_size=50257, n_layer=1, n_head=2, n_embd=16)
+    torch.manual_seed(0)
+    ours = GPT(config).eval()
+    hf = {k.removeprefix("transformer."): (v.t() if k.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")) else v)
+          for k, v in ours.state_dict().items() if k != "lm_head.weight"}  # HF keeps Conv1D as (in, out)
+    hf["h.0.attn.bias"] = torch.tril(torch.ones(32, 32))[None, None]
+    converted = {("transformer." + k): (v.t() if k.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")) else v)
+                 for k, v in hf.items()}
+    converted["lm_head.weight"] = converted["transformer.wte.weight"]
+    torch.save({"model": converted, "model_args": vars(config)}, tmp_path / "gpt2.pt")
+    loaded = load_checkpoint(tmp_path / "gpt2.pt")
+    idx = torch.randint(0, 50257, (1, 10))
+    assert torch.equal(ours(idx)[0], loaded(idx)[0])
+    assert get_tokenizer(loaded.config.vocab_size).eot_token == 50256
+
+
+def test_missing_and_corrupt_checkpoints_raise_one_line_errors(tmp_path):
+    with pytest.raises(ValueError, match="no checkpoint at"):
+        load_checkpoint(tmp_path / "nope.pt")
+    (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="cannot read checkpoint") as e:
+        load_checkpoint(tmp_path / "bad.pt")
+    assert "\n" not in str(e.value)
+
+
+def test_tokenizer_is_gpt2_and_prefix_vocab_stays_below_its_size():
+    full = get_tokenizer(50257)
+    assert full.encode("Hello world") == [15496, 995]
+    assert full.eot_token == 50256
+    text = shakespeare()[1][:20000]
+    assert full.decode(full.encode_ordinary(text)) == text
+    small = get_tokenizer(2048)
+    ids = small.encode_ordinary(text)
+    assert small.decode(ids) == text and max(ids) < 2047 and small.eot_token == 2047
+    assert small.encode("<|endoftext|>", allowed_special="all") == [2047]
+    assert [i for i in full.encode(" the") if i < 2047] == small.encode(" the")  # shared ids are GPT-2's
+
+
+def test_shakespeare_is_plain_speaker_and_verse_text():
+    train, val = shakespeare()
+    assert "HAMLET:\n" in train + val and "**" not in train and "#" not in train
+    assert len(val) > 0.08 * (len(train) + len(val))
+
+
+@pytest.mark.parametrize("temperature, top_k", [(1.0, None), (0.8, 20)])
+def test_seeded_sample_is_the_same_alone_and_in_a_batch(model, temperature, top_k):
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9], [3, 2]]
+    news = [12, 20, 5, 16]
+    together = run_engine(generate.ContiguousEngine(model, 4), make_requests(prompts, news, temperature, top_k))
+    for i in range(len(prompts)):
+        alone = run_engine(generate.ContiguousEngine(model, 1), [make_requests(prompts, news, temperature, top_k)[i]])
+        assert together[i] == alone[0]
+    assert together != baseline(model, prompts, news)  # sampling really sampled: not the greedy output
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt") / "ckpt.pt"
+    save_nanogpt_ckpt(tiny_gpt(dtype=torch.float32), path)
+    return str(path)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prompt", ""], "empty prompt"),
+    (["--prompt", "Hi", "--max-new-tokens", "70"], "= 72 exceeds the model's context of 64"),
+    (["--temperature", "-0.5"], "--temperature: -0.5 is below 0"),
+    (["--top-k", "0"], "--top-k: 0 is below 1"),
+    (["--paged", "--block-size", "0"], "--block-size: 0 is below 1"),
+    (["--paged", "--token-budget", "0"], "--token-budget: 0 is below 1"),
+    (["--paged", "--num-blocks", "1", "--block-size", "4", "--max-new-tokens", "20"], "but the pool has only 1"),
+    (["--prompts", "/no/such/file"], "cannot read --prompts file"),
+])
+def test_cli_bad_input_is_one_line_error(tiny_ckpt, capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        generate.main(["--ckpt", tiny_ckpt, "--max-new-tokens", "8", *argv])
+    assert isinstance(e.value.code, str) and e.value.code.startswith("error: ") and "\n" not in e.value.code
+    assert message in e.value.code
+
+
+def test_cli_bad_checkpoint_and_empty_prompts_file(tmp_path):
+    (tmp_path / "bad.pt").write_text("garbage")
+    (tmp_path / "empty.txt").write_text("\n\n")
+    for argv, message in [(["--ckpt", str(tmp_path / "bad.pt")], "cannot read checkpoint"),
+                          (["--ckpt", str(tmp_path / "none.pt")], "no checkpoint at"),
+                          (["--ckpt", str(tmp_path / "bad.pt"), "--prompts", str(tmp_path / "empty.txt")], "")]:
+        with pytest.raises(SystemExit) as e:
+            generate.main(argv)
+        assert e.value.code.startswith("error: ") and message in e.value.code
+
+
+def test_cli_json_holds_requests_in_order_and_metrics(tiny_ckpt, tmp_path):
+    out = tmp_path / "run.json"
+    for paged in [[], ["--paged"]]:
+        generate.main(["--ckpt", tiny_ckpt, "--prompt", "ROMEO:", "--prompt", "To be, or not", "--num-samples", "2",
+                       "--max-new-tokens", "10", "--temperature", "0", "--json", str(out), *paged])
+        data = json.loads(out.read_text())
+        assert [r["prompt"] for r in data["requests"]] == ["ROMEO:", "ROMEO:", "To be, or not", "To be, or not"]
+        assert all(len(r["output_tokens"]) == 10 for r in data["requests"])
+        for key in ["output_tokens", "wall_s", "output_tok_s", "ttft_ms_mean", "ttft_ms_p90", "ms_per_token", "steps",
+                    "prefill_tokens"]:
+            assert key in data["metrics"]
+        if paged:
+            for key in ["kv_slots_allocated_peak", "kv_slots_used_peak", "kv_waste_pct", "num_blocks", "block_size",
+                        "prefix_hit_rate", "preemptions"]:
+                assert key in data["metrics"]
+        else:
+            greedy = [r["output_tokens"] for r in data["requests"]]
+    assert greedy == [r["output_tokens"] for r in data["requests"]]  # paged == contiguous, greedy
