@@ -59,6 +59,11 @@ class Engine:
 
     def add(self, r):
         """Queue a request, or refuse it with a one-line ValueError if it can never run."""
+        self.check(r)
+        r.arrival = time.perf_counter()
+        self.waiting.append(r)
+
+    def check(self, r):
         total = r.num_prompt + r.max_new_tokens
         if r.num_prompt == 0:
             raise ValueError("empty prompt: a request needs at least one token")
@@ -69,8 +74,6 @@ class Engine:
                              f"exceeds the model's context of {self.context}")
         if r.temperature < 0 or (r.top_k is not None and r.top_k < 1):
             raise ValueError(f"temperature {r.temperature} must be >= 0 and top_k {r.top_k} >= 1")
-        r.arrival = time.perf_counter()
-        self.waiting.append(r)
 
     def run(self, requests):
         for r in requests:
@@ -136,12 +139,12 @@ class Scheduler(Engine):
     def blocks_for(self, num_tokens):
         return -(-num_tokens // self.block_size)
 
-    def add(self, r):
+    def check(self, r):
+        super().check(r)
         need = self.blocks_for(r.num_prompt + r.max_new_tokens - 1)  # the last token is never fed back
         if need > self.allocator.num_blocks:
             raise ValueError(f"a request of {r.num_prompt} + {r.max_new_tokens} tokens needs {need} blocks of "
                              f"{self.block_size}, but the pool has only {self.allocator.num_blocks}")
-        super().add(r)
 
     def schedule(self):
         budget, plan = self.token_budget, []
