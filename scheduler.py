@@ -82,6 +82,7 @@ class Engine:
             self.step()
         return requests
 
+    @torch.no_grad()
     def step(self):
         plan = self.schedule()  # [(request, number of new tokens)]
         if not plan:  # admission always lets something run; never spin
