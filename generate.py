@@ -86,7 +86,7 @@ def metrics(engine, wall_s):
 
 def table(runs):
     """One column per run, then each later run's ratio to the first."""
-    keys = ["output_tokens", "wall_s", "output_tok_s", "ttft_ms_mean", "ttft_ms_p90", "ms_per_token", "steps",
+    keys = ["same_output_pct", "output_tokens", "wall_s", "output_tok_s", "ttft_ms_mean", "ttft_ms_p90", "ms_per_token", "steps",
             "prefill_tokens", "prefix_hit_rate", "preemptions", "kv_slots_allocated_peak", "kv_slots_used_peak",
             "kv_waste_pct", "kv_slots_static", "static_used_pct", "peak_blocks", "num_blocks", "block_size"]
     names = list(runs)
@@ -217,10 +217,13 @@ def main(argv=None):
     texts, prompts, news = read_prompts(args, enc)
     kinds = ["contiguous", "paged", "paged_prefix"] if args.compare else \
         ["paged" if args.no_prefix_cache else "paged_prefix"] if args.paged else ["contiguous"]
-    runs, all_stats = {}, {}
+    runs, all_stats, outputs = {}, {}, {}
     try:
         for kind in kinds:
             requests, runs[kind], all_stats[kind] = serve(model, prompts, news, args, kind)
+            outputs[kind] = [r.generated for r in requests]
+            same = sum(a == b for a, b in zip(outputs[kind], outputs[kinds[0]]))
+            runs[kind]["same_output_pct"] = 100 * same / len(requests)  # token for token, against the first run
     except ValueError as e:
         sys.exit(f"error: {e}")
     if not args.num_requests:

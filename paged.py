@@ -1,8 +1,6 @@
-"""The paged KV cache: a pool of fixed-size blocks, the allocator that hands them out, and the
-view of the pool that one model forward reads and writes.
-
-Logical position p of a request lives in slot block_table[p // block_size] * block_size + p % block_size.
-"""
+"""The paged KV cache: the block allocator, write and gather on the pool, and the view of the pool that
+one model forward reads and writes. The pool is k, v: (n_layer, n_head, num_blocks, block_size, head_size),
+and position p of a request lives in slot block_table[p // block_size] * block_size + p % block_size."""
 from collections import OrderedDict
 
 import torch
@@ -11,10 +9,9 @@ import torch.nn.functional as F
 from model import attend
 
 class BlockAllocator:
-    """Clean blocks sit on a LIFO stack: the most recently freed goes out first. Full blocks in the
-    prefix cache may be held by several requests at once (ref_count). When the last holder lets go
-    they stay cached, reclaimable, and are evicted least recently released first once no clean
-    block is left."""
+    """Clean blocks sit on a LIFO stack: the most recently freed goes out first. A full block in the
+    prefix cache may be held by several requests (ref_count); after its last holder lets go it stays
+    cached, reclaimable, and is evicted least recently released first, only when no clean block is left."""
 
     def __init__(self, num_blocks):
         self.num_blocks = num_blocks
@@ -72,15 +69,6 @@ class BlockAllocator:
             self.cache[block_hash] = (block, tokens)
             self.hash_of[block] = block_hash
 
-class KVPool:
-    """K and V of every (layer, head), allocated once: k[layer, head] is (num_blocks, block_size, head_size)."""
-
-    def __init__(self, n_layer, n_head, head_size, num_blocks, block_size, device="cpu", dtype=torch.float32):
-        shape = (n_layer, n_head, num_blocks, block_size, head_size)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.block_size = block_size
-
 def write_kv(k_pool, v_pool, slots, k, v):
     """One layer's new K/V, all requests and heads, into their slots in one indexed write each.
     k_pool, v_pool: (H, num_blocks, block_size, D); slots: (N,); k, v: (N, H, D)."""
@@ -93,26 +81,20 @@ def gather_kv(pool, block_table):
     return pool[:, block_table].flatten(2, 3)
 
 def gather_attend(q, k_pool, v_pool, block_table, kv_len):
-    """Decode attention straight from the pool. q: (H, B, D), block_table: (B, W), kv_len: (B,) -> (H, B, D).
-
-    Products and sums over the gathered blocks, not matmuls, so that torch.compile fuses the gather
-    into the score and value reductions instead of materializing a copy. Padded rows (kv_len 1,
-    block 0) read a harmless slot."""
+    """Decode attention straight from the pool: q (H, B, D), block_table (B, W), kv_len (B,) -> (H, B, D).
+    Products and sums, not matmuls, so torch.compile fuses the block gather into the score and value
+    reductions instead of materializing a gathered copy. Padded rows (kv_len 1, block 0) are harmless."""
     H, B, D = q.shape
-    L = block_table.size(1) * k_pool.size(2)
-    scores = (q[:, :, None, None, :].float() * k_pool[:, block_table].float()).sum(-1).view(H, B, L) * D ** -0.5
-    scores = scores.masked_fill(torch.arange(L, device=q.device) >= kv_len[:, None], float("-inf"))
-    p = scores.softmax(-1).view(H, B, *block_table.shape[1:], k_pool.size(2), 1)
+    W, block_size = block_table.shape[1], k_pool.shape[2]
+    scores = (q[:, :, None, None, :].float() * k_pool[:, block_table].float()).sum(-1) * D ** -0.5  # (H, B, W, bs)
+    visible = torch.arange(W * block_size, device=q.device) < kv_len[:, None]  # (B, L)
+    p = scores.view(H, B, -1).masked_fill(~visible, float("-inf")).softmax(-1).view(H, B, W, block_size, 1)
     return (p * v_pool[:, block_table].float()).sum((2, 3)).to(q.dtype)
-
-def bucket(n):
-    """Round up to a power of two, so compiled shapes repeat across steps instead of recompiling."""
-    return 1 << (max(n, 1) - 1).bit_length()
 
 class StepBatch:
     """Where one forward's new tokens sit. starts[i]: tokens request i has cached; lens[i]: tokens it
     brings now. One-token requests (decode) come first, then chunks (prefill); each group attends in
-    one padded call, so a decode row never pays for a long chunk's padding."""
+    one padded call, so a decode query never pays for a long chunk's padding."""
 
     def __init__(self, starts, lens, device):
         R, N, S = len(lens), sum(lens), sum(n == 1 for n in lens)
@@ -128,7 +110,7 @@ class StepBatch:
         self.logit_rows = (ends - 1).to(device)  # (R,) each request's last new token
         self.single_pos = (self.kv_lens[:S] - 1)[:, None].to(device)  # (S, 1)
         chunk_index = (self.row[S:] - S) * self.Q + offset[S:]  # (N - S,) into the padded (P * Q)
-        chunk_pos = torch.zeros((R - S) * self.Q, dtype=torch.long)  # NOTE: padding queries sit at 0, see key 0
+        chunk_pos = torch.zeros((R - S) * self.Q, dtype=torch.long)  # NOTE: a padding query sits at 0, sees key 0
         chunk_pos[chunk_index] = self.positions_cpu[S:]
         self.chunk_index, self.chunk_pos = chunk_index.to(device), chunk_pos.view(R - S, self.Q).to(device)
 
@@ -146,42 +128,43 @@ class StepBatch:
             y[S:] = y_pad.permute(1, 2, 0, 3).reshape(P * self.Q, H, D)[self.chunk_index]
         return y
 
+def bucket(n):  # a power of two, so compiled shapes repeat across steps instead of recompiling
+    return 1 << (max(n, 1) - 1).bit_length()
+
 class PagedBatch(StepBatch):
-    """The pool seen by one forward: the slot of each new token, and block tables to read through."""
+    """The pool seen by one forward: each new token's slot, and the block tables to read through."""
 
-    compiled = None  # torch.compile(gather_attend), built on first use on CUDA
+    compiled = None  # torch.compile(gather_attend), built on first use on a GPU
 
-    def __init__(self, pool, block_tables, starts, lens):
-        device = pool.k.device
-        super().__init__(starts, lens, device)
-        self.pool, bs, S = pool, pool.block_size, self.num_single
+    def __init__(self, k_pool, v_pool, block_tables, starts, lens):
+        super().__init__(starts, lens, k_pool.device)
+        self.k_pool, self.v_pool, bs, S = k_pool, v_pool, k_pool.shape[3], self.num_single
         width = max(len(t) for t in block_tables)
         table = torch.tensor([t + [0] * (width - len(t)) for t in block_tables])  # (R, W)
-        self.slots = (table[self.row, self.positions_cpu // bs] * bs + self.positions_cpu % bs).to(device)  # (N,)
+        self.slots = (table[self.row, self.positions_cpu // bs] * bs + self.positions_cpu % bs).to(k_pool.device)
         blocks_read = ((self.kv_lens + bs - 1) // bs).tolist()
-        self.single_table = table[:S, :max(blocks_read[:S], default=1)]  # (S, W_single)
-        self.single_len = self.kv_lens[:S]
-        self.chunk_table = table[S:, :max(blocks_read[S:], default=1)].to(device)  # (P, W_chunk)
-        self.use_compiled = device.type == "cuda"
-        if self.use_compiled:  # pad rows and width to buckets; padded rows read block 0, length 1
-            B, W = bucket(S), bucket(self.single_table.size(1))
-            self.single_table = F.pad(self.single_table, (0, W - self.single_table.size(1), 0, B - S))
-            self.single_len = F.pad(self.single_len, (0, B - S), value=1)
-        self.single_table, self.single_len = self.single_table.to(device), self.single_len.to(device)
+        single_table, single_len = table[:S, :max(blocks_read[:S], default=1)], self.kv_lens[:S]  # (S, W1), (S,)
+        self.compile = k_pool.is_cuda
+        if self.compile:  # pad rows and width to buckets; padded rows read block 0 with length 1
+            B, W = bucket(S), bucket(single_table.shape[1])
+            single_table = F.pad(single_table, (0, W - single_table.shape[1], 0, B - S))
+            single_len = F.pad(single_len, (0, B - S), value=1)
+        self.single_table, self.single_len = single_table.to(k_pool.device), single_len.to(k_pool.device)
+        self.chunk_table = table[S:, :max(blocks_read[S:], default=1)].to(k_pool.device)  # (P, W2)
 
     def store(self, layer, k, v):
-        write_kv(self.pool.k[layer], self.pool.v[layer], self.slots, k, v)
+        write_kv(self.k_pool[layer], self.v_pool[layer], self.slots, k, v)
 
     def attend_single(self, layer, q):  # q: (H, S, D)
-        k_pool, v_pool = self.pool.k[layer], self.pool.v[layer]
-        if not self.use_compiled:  # eager on a CPU, gather + matmul runs ~4x faster than gather_attend
+        k_pool, v_pool = self.k_pool[layer], self.v_pool[layer]
+        if not self.compile:  # eager on a CPU, gather then matmul runs ~4x faster than gather_attend
             k, v = gather_kv(k_pool, self.single_table), gather_kv(v_pool, self.single_table)
             return attend(q[:, :, None], k, v, self.single_pos)[:, :, 0]
         if PagedBatch.compiled is None:
             PagedBatch.compiled = torch.compile(gather_attend, dynamic=False)
-        S, B = q.size(1), self.single_table.size(0)
-        return PagedBatch.compiled(F.pad(q, (0, 0, 0, B - S)), k_pool, v_pool, self.single_table, self.single_len)[:, :S]
+        padded = F.pad(q, (0, 0, 0, self.single_table.shape[0] - q.shape[1]))
+        return PagedBatch.compiled(padded, k_pool, v_pool, self.single_table, self.single_len)[:, :q.shape[1]]
 
     def attend_chunks(self, layer, q):  # q: (H, P, Q, D)
-        k, v = gather_kv(self.pool.k[layer], self.chunk_table), gather_kv(self.pool.v[layer], self.chunk_table)
+        k, v = gather_kv(self.k_pool[layer], self.chunk_table), gather_kv(self.v_pool[layer], self.chunk_table)
         return attend(q, k, v, self.chunk_pos)

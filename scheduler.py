@@ -10,7 +10,7 @@ from itertools import chain
 
 import torch
 
-from paged import BlockAllocator, KVPool, PagedBatch
+from paged import BlockAllocator, PagedBatch
 
 class Request:
     def __init__(self, prompt, max_new_tokens, temperature=0.0, top_k=None, seed=0):
@@ -128,9 +128,10 @@ class Scheduler(Engine):
         if min(block_size, token_budget, num_blocks) < 1:
             raise ValueError(f"block_size {block_size}, token_budget {token_budget} and num_blocks {num_blocks} "
                              "must each be at least 1")
-        c = model.config
-        self.pool = KVPool(c.n_layer, c.n_head, c.n_embd // c.n_head, num_blocks, block_size, self.device,
-                           model.lm_head.weight.dtype)
+        c = model.config  # the pool, allocated once: k_pool[layer, head] is (num_blocks, block_size, head_size)
+        shape = (c.n_layer, c.n_head, num_blocks, block_size, c.n_embd // c.n_head)
+        self.k_pool = torch.zeros(shape, device=self.device, dtype=model.lm_head.weight.dtype)
+        self.v_pool = torch.zeros_like(self.k_pool)
         self.allocator = BlockAllocator(num_blocks)
         self.block_size, self.token_budget, self.prefix_cache = block_size, token_budget, prefix_cache
         self.max_running = min(max_batch, token_budget)  # so every decoding request fits in a step
@@ -237,7 +238,7 @@ class Scheduler(Engine):
         if k >= (len(r.tokens) - 1) // self.block_size:
             return False
         h, full = self.block_hash(r, k), (k + 1) * self.block_size
-        return any(o.status == "prefilling" and len(o.tokens) >= full and self.block_hash(o, k) == h
+        return any(o.status == "prefilling" and o.num_computed < full <= len(o.tokens) and self.block_hash(o, k) == h
                    for o in self.running)
 
     def computed(self, r, n):
@@ -246,8 +247,8 @@ class Scheduler(Engine):
                 self.allocator.register(r.block_table[k], self.block_hash(r, k), self.block_tokens(r, k))
 
     def make_batch(self, plan):
-        return PagedBatch(self.pool, [r.block_table for r, _ in plan], [r.num_computed for r, _ in plan],
-                          [n for _, n in plan])
+        return PagedBatch(self.k_pool, self.v_pool, [r.block_table for r, _ in plan],
+                          [r.num_computed for r, _ in plan], [n for _, n in plan])
 
     def release(self, r):
         self.allocator.free(r.block_table)

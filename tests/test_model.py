@@ -8,7 +8,7 @@ from conftest import baseline, make_requests, run_engine, tiny_gpt
 import generate
 from generate import ContiguousBatch
 from model import GPT, GPTConfig, load_checkpoint
-from paged import KVPool, PagedBatch
+from paged import PagedBatch
 from scheduler import Request
 from train_tiny import get_tokenizer, shakespeare
 
@@ -37,13 +37,13 @@ def incremental_logits(model, prompts, decode_steps, make_batch):
 @pytest.mark.parametrize("cache", ["contiguous", "paged"])
 def test_cached_decode_equals_full_recompute(model, cache):
     prompts = [[5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [42], [7, 7, 7]]
-    pool = KVPool(2, 2, 16, 64, 3, dtype=torch.float64)
+    k_pool, v_pool = torch.zeros(2, 2, 64, 3, 16, dtype=torch.float64), torch.zeros(2, 2, 64, 3, 16, dtype=torch.float64)
     tables = {}
 
     def paged_batch(plan):
         for r, n in plan:  # scattered blocks: request i owns blocks i, i + 8, i + 16, ...
             tables.setdefault(id(r), [len(tables) + 8 * j for j in range(8)])
-        return PagedBatch(pool, [tables[id(r)] for r, _ in plan], [r.num_computed for r, _ in plan], [n for _, n in plan])
+        return PagedBatch(k_pool, v_pool, [tables[id(r)] for r, _ in plan], [r.num_computed for r, _ in plan], [n for _, n in plan])
 
     make_batch = paged_batch if cache == "paged" else (lambda plan: ContiguousBatch(plan, "cpu"))
     reqs, steps = incremental_logits(model, prompts, 6, make_batch)
