@@ -104,7 +104,7 @@ class GPT(nn.Module):
         logits = self.lm_head(x)
         if targets is None:
             return logits, None
-        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        return logits, F.cross_entropy(logits.flatten(0, -2), targets.reshape(-1), ignore_index=-1)
 
 def load_checkpoint(path, device="cpu"):
     """A nanoGPT ckpt.pt -> GPT in eval mode. Raises ValueError with a one-line reason."""

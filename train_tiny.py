@@ -69,9 +69,8 @@ def train(out_dir="out", device=None, max_iters=1500, max_seconds=240, batch_siz
 
     # Progress is whichever runs out first, iterations or seconds, and the learning rate follows it
     # (warmup, then cosine), so a slower machine still ends on time with a decayed rate.
-    start, it, progress = time.time(), 0, 0.0
-    while progress < 1.0:
-        progress = min(1.0, max(it / max_iters, (time.time() - start) / max_seconds))
+    start, it = time.time(), 0
+    while (progress := max(it / max_iters, (time.time() - start) / max_seconds)) < 1.0:
         for group in optimizer.param_groups:
             group["lr"] = lr * min(1.0, (it + 1) / 50) * max(0.05, 0.5 * (1 + math.cos(math.pi * progress)))
         _, loss = model(*batch("train"))
@@ -81,7 +80,7 @@ def train(out_dir="out", device=None, max_iters=1500, max_seconds=240, batch_siz
         optimizer.step()
         if it % 50 == 0:
             elapsed = time.time() - start
-            left = f"~{elapsed / progress - elapsed:.0f}s left" if progress else ""
+            left = f"~{elapsed / progress - elapsed:.0f}s left" if it else ""
             print(f"iter {it:5d}  loss {loss.item():.3f}  {elapsed:4.0f}s  {left}", flush=True)
         it += 1
     model.eval()

@@ -181,3 +181,15 @@ def test_cli_json_holds_requests_in_order_and_metrics(tiny_ckpt, tmp_path):
         else:
             greedy = [r["output_tokens"] for r in data["requests"]]
     assert greedy == [r["output_tokens"] for r in data["requests"]]  # paged == contiguous, greedy
+
+
+def test_train_tiny_writes_a_nanogpt_checkpoint_that_generate_loads(tmp_path):
+    from train_tiny import train
+    trained = train(out_dir=str(tmp_path), device="cpu", max_iters=3, max_seconds=60, batch_size=2,
+                    block_size=32, vocab_size=300, n_layer=1, n_head=2, n_embd=16)
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    assert {"model", "model_args", "optimizer", "iter_num", "best_val_loss", "config"} <= set(ckpt)
+    assert ckpt["iter_num"] == 3 and ckpt["model_args"]["block_size"] == 32
+    loaded = load_checkpoint(tmp_path / "ckpt.pt")
+    idx = torch.randint(0, 300, (1, 32))
+    assert torch.equal(loaded(idx)[0], trained.eval()(idx)[0])
