@@ -161,6 +161,7 @@ class PagedBatch(StepBatch):
             k, v = gather_kv(k_pool, self.single_table), gather_kv(v_pool, self.single_table)
             return attend(q[:, :, None], k, v, self.single_pos)[:, :, 0]
         if PagedBatch.compiled is None:
+            torch._dynamo.config.recompile_limit = 64  # one graph per (batch, width) bucket pair, ~35 in all
             PagedBatch.compiled = torch.compile(gather_attend, dynamic=False)
         padded = F.pad(q, (0, 0, 0, self.single_table.shape[0] - q.shape[1]))
         return PagedBatch.compiled(padded, k_pool, v_pool, self.single_table, self.single_len)[:, :q.shape[1]]
