@@ -90,5 +90,6 @@ def test_same_prefix_admitted_together_is_computed_once(model):
     engine = Scheduler(model, 60, block_size=4, token_budget=10)  # prefill takes several steps
     got = run_engine(engine, make_requests([prefix + [1], prefix + [2], prefix + [3]], [3, 3, 3]), check=True)
     assert got == want
-    assert engine.prefill_tokens == 25 + 1 + 1 + 2 * 0  # the others wait for it, then share all six blocks
+    # the first computes all 25 tokens; the others wait for its six blocks, share them, and compute 1 token each
+    assert engine.prefill_tokens == 25 + 1 + 1
     assert engine.cached_prompt_tokens == 48
