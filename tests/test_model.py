@@ -152,12 +152,12 @@ def test_cli_bad_input_is_one_line_error(tiny_ckpt, capsys, argv, message):
     assert message in e.value.code
 
 
-def test_cli_bad_checkpoint_and_empty_prompts_file(tmp_path):
+def test_cli_bad_checkpoint_and_empty_prompts_file(tmp_path, tiny_ckpt):
     (tmp_path / "bad.pt").write_text("garbage")
     (tmp_path / "empty.txt").write_text("\n\n")
     for argv, message in [(["--ckpt", str(tmp_path / "bad.pt")], "cannot read checkpoint"),
                           (["--ckpt", str(tmp_path / "none.pt")], "no checkpoint at"),
-                          (["--ckpt", str(tmp_path / "bad.pt"), "--prompts", str(tmp_path / "empty.txt")], "")]:
+                          (["--ckpt", tiny_ckpt, "--prompts", str(tmp_path / "empty.txt")], "holds no prompt")]:
         with pytest.raises(SystemExit) as e:
             generate.main(argv)
         assert e.value.code.startswith("error: ") and message in e.value.code
