@@ -2,7 +2,7 @@
 
     python generate.py                                   # trains out/ckpt.pt first if it is missing
     python generate.py --paged --prompt "ROMEO:" --num-samples 4
-    python generate.py --compare --num-requests 64 --shared-prefix 128 --plot compare.png
+    python generate.py --compare --num-requests 64 --shared-prefix 100 --prompt-len 101:160 --new-tokens 16:64 --plot c.png
 """
 import argparse
 import json
