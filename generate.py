@@ -205,6 +205,8 @@ def read_prompts(args, enc):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        sys.exit(f"error: --device {args.device} asked for, but this torch sees no CUDA GPU")
     if args.ckpt == "out/ckpt.pt" and not os.path.exists(args.ckpt):
         print("no checkpoint at out/ckpt.pt: training the tiny model first (about 5 minutes on 2 CPU cores)")
         train(out_dir="out", device=args.device)

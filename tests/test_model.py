@@ -144,6 +144,7 @@ def tiny_ckpt(tmp_path_factory):
     (["--paged", "--token-budget", "0"], "--token-budget: 0 is below 1"),
     (["--paged", "--num-blocks", "1", "--block-size", "4", "--max-new-tokens", "20"], "but the pool has only 1"),
     (["--prompts", "/no/such/file"], "cannot read --prompts file"),
+    pytest.param(["--device", "cuda"], "sees no CUDA GPU", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="has CUDA")),
 ])
 def test_cli_bad_input_is_one_line_error(tiny_ckpt, capsys, argv, message):
     with pytest.raises(SystemExit) as e:
