@@ -22,7 +22,7 @@ def incremental_logits(model, prompts, decode_steps, make_batch):
         r.v = list(r.k)
     steps = []
     with torch.no_grad():
-        for step in range(decode_steps + 1):
+        for _ in range(decode_steps + 1):
             plan = sorted([(r, len(r.tokens) - r.num_computed) for r in reqs], key=lambda item: item[1] > 1)
             idx = torch.tensor([t for r, n in plan for t in r.tokens[r.num_computed:]])
             logits, _ = model(idx, cache=make_batch(plan))
@@ -41,7 +41,7 @@ def test_cached_decode_equals_full_recompute(model, cache):
     tables = {}
 
     def paged_batch(plan):
-        for r, n in plan:  # scattered blocks: request i owns blocks i, i + 8, i + 16, ...
+        for r, _ in plan:  # scattered blocks: request i owns blocks i, i + 8, i + 16, ...
             tables.setdefault(id(r), [len(tables) + 8 * j for j in range(8)])
         return PagedBatch(k_pool, v_pool, [tables[id(r)] for r, _ in plan], [r.num_computed for r, _ in plan], [n for _, n in plan])
 

@@ -4,7 +4,7 @@ import random
 
 import pytest
 import torch
-from conftest import baseline, check_invariants, make_requests, run_engine
+from conftest import baseline, make_requests, run_engine
 
 from paged import BlockAllocator, gather_attend, gather_kv, write_kv
 from scheduler import Request, Scheduler
