@@ -12,57 +12,10 @@ import sys
 import time
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
 
-from model import attend, load_checkpoint
-from paged import StepBatch
-from scheduler import Engine, Request, Scheduler
+from model import load_checkpoint
+from scheduler import ContiguousEngine, Request, Scheduler
 from train_tiny import get_tokenizer, shakespeare, train
-
-class ContiguousBatch(StepBatch):
-    """The baseline's cache seen by one forward: each request's K/V are its own tensors, grown by
-    torch.cat every step, then padded side by side so each group still attends in one call."""
-
-    def __init__(self, plan, device):
-        super().__init__([r.num_computed for r, _ in plan], [n for _, n in plan], device)
-        self.requests = [r for r, _ in plan]
-        ends = torch.tensor([n for _, n in plan]).cumsum(0).tolist()
-        self.spans = [(r, end - n, end) for (r, n), end in zip(plan, ends)]
-
-    def store(self, layer, k, v):  # k, v: (N, H, D)
-        for r, a, b in self.spans:
-            r.k[layer] = torch.cat([r.k[layer], k[a:b]])
-            r.v[layer] = torch.cat([r.v[layer], v[a:b]])
-        self.k = pad_sequence([r.k[layer] for r in self.requests]).permute(2, 1, 0, 3)  # (H, R, L, D)
-        self.v = pad_sequence([r.v[layer] for r in self.requests]).permute(2, 1, 0, 3)
-
-    def attend_single(self, layer, q):  # q: (H, S, D)
-        S = q.size(1)
-        return attend(q[:, :, None], self.k[:, :S], self.v[:, :S], self.single_pos)[:, :, 0]
-
-    def attend_chunks(self, layer, q):  # q: (H, P, Q, D)
-        S = self.num_single
-        return attend(q, self.k[:, S:], self.v[:, S:], self.chunk_pos)
-
-class ContiguousEngine(Engine):
-    """Continuous batching without paging: up to max_batch requests run; a new one is prefilled
-    whole in the same forward that decodes the others."""
-
-    def schedule(self):
-        c = self.model.config
-        while self.waiting and len(self.running) < self.max_batch:
-            r = self.waiting.popleft()
-            empty = torch.empty(0, c.n_head, c.n_embd // c.n_head, device=self.device, dtype=self.model.lm_head.weight.dtype)
-            r.k, r.v = [empty] * c.n_layer, [empty] * c.n_layer
-            r.status = "prefilling"
-            self.running.append(r)
-        return [(r, len(r.tokens) - r.num_computed) for r in self.running]
-
-    def make_batch(self, plan):
-        return ContiguousBatch(plan, self.device)
-
-    def release(self, r):
-        r.k = r.v = None
 
 def metrics(engine, wall_s):
     reqs, stats = engine.finished, engine.stats

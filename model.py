@@ -19,12 +19,12 @@ class GPTConfig:
     bias: bool = True
 
 def attend(q, k, v, q_pos):
-    """q: (H, B, Q, D), k/v: (H, B, L, D), q_pos: (B, Q) -> (H, B, Q, D). Key j is visible to a query
-    at position p iff j <= p: causal, and blind to padding, as no query sits past its row's last key."""
-    scores = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(q.size(-1)))  # (H, B, Q, L)
-    visible = torch.arange(k.size(2), device=q.device) <= q_pos[..., None]  # (B, Q, L)
-    scores = scores.masked_fill(~visible, float("-inf"))
-    return scores.softmax(-1) @ v
+    """q: (B, Q, H, D), k/v: (B, L, H, D), q_pos: (B, Q) -> (B, Q, H, D). Key j is visible to a query at
+    position p iff j <= p: causal, and blind to padding, as no query sits past its row's last key.
+    The (B, L, H, D) layout is the one the pool and SDPA's CPU kernel keep, so no transpose copies."""
+    visible = torch.arange(k.size(1), device=q.device) <= q_pos[..., None]  # (B, Q, L)
+    y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=visible[:, None])
+    return y.transpose(1, 2)
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, config):

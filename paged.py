@@ -1,6 +1,9 @@
 """The paged KV cache: the block allocator, write and gather on the pool, and the view of the pool that
-one model forward reads and writes. The pool is k, v: (n_layer, n_head, num_blocks, block_size, head_size),
-and position p of a request lives in slot block_table[p // block_size] * block_size + p % block_size."""
+one model forward reads and writes. The pool is k, v: (n_layer, num_blocks, block_size, n_head, head_size).
+It is block-major, so one block's K for every head is one contiguous run and a gather copies whole blocks;
+the pool of one (layer, head) is k[layer, :, :, head], of shape (num_blocks, block_size, head_size).
+Position p of a request lives in slot block_table[p // block_size] * block_size + p % block_size, a row
+of k[layer].view(num_blocks * block_size, n_head, head_size)."""
 from collections import OrderedDict
 
 import torch
@@ -70,31 +73,33 @@ class BlockAllocator:
             self.hash_of[block] = block_hash
 
 def write_kv(k_pool, v_pool, slots, k, v):
-    """One layer's new K/V, all requests and heads, into their slots in one indexed write each.
-    k_pool, v_pool: (H, num_blocks, block_size, D); slots: (N,); k, v: (N, H, D)."""
-    H, _, _, D = k_pool.shape
-    k_pool.view(H, -1, D)[:, slots] = k.transpose(0, 1)
-    v_pool.view(H, -1, D)[:, slots] = v.transpose(0, 1)
+    """One layer's new K/V, all requests and heads, into their slots in one indexed copy each.
+    k_pool, v_pool: (num_blocks, block_size, H, D); slots: (N,); k, v: (N, H, D)."""
+    H, D = k.shape[1:]
+    k_pool.view(-1, H, D).index_copy_(0, slots, k)
+    v_pool.view(-1, H, D).index_copy_(0, slots, v)
 
 def gather_kv(pool, block_table):
-    """pool: (H, num_blocks, block_size, D), block_table: (B, W) -> (H, B, W * block_size, D), one read."""
-    return pool[:, block_table].flatten(2, 3)
+    """pool: (num_blocks, block_size, H, D), block_table: (B, W) -> (B, W * block_size, H, D): one
+    index_select of whole blocks, each a contiguous copy."""
+    B, W = block_table.shape
+    return pool.index_select(0, block_table.flatten()).view(B, W * pool.shape[1], *pool.shape[2:])
 
 def gather_attend(q, k_pool, v_pool, block_table, kv_len):
-    """Decode attention straight from the pool: q (H, B, D), block_table (B, W), kv_len (B,) -> (H, B, D).
+    """Decode attention straight from the pool: q (B, H, D), block_table (B, W), kv_len (B,) -> (B, H, D).
     Products and sums, not matmuls, so torch.compile fuses the block gather into the score and value
     reductions instead of materializing a gathered copy. Padded rows (kv_len 1, block 0) are harmless."""
-    H, B, D = q.shape
-    W, block_size = block_table.shape[1], k_pool.shape[2]
-    scores = (q[:, :, None, None, :].float() * k_pool[:, block_table].float()).sum(-1) * D ** -0.5  # (H, B, W, bs)
-    visible = torch.arange(W * block_size, device=q.device) < kv_len[:, None]  # (B, L)
-    p = scores.view(H, B, -1).masked_fill(~visible, float("-inf")).softmax(-1).view(H, B, W, block_size, 1)
-    return (p * v_pool[:, block_table].float()).sum((2, 3)).to(q.dtype)
+    B, H, D = q.shape
+    scores = (q[:, None, None].float() * k_pool[block_table].float()).sum(-1) * D ** -0.5  # (B, W, bs, H)
+    scores = scores.view(B, -1, H)  # (B, L, H)
+    visible = torch.arange(scores.shape[1], device=q.device) < kv_len[:, None]  # (B, L)
+    p = scores.masked_fill(~visible[..., None], float("-inf")).softmax(1)
+    return (p[..., None] * v_pool[block_table].float().view(B, -1, H, D)).sum(1).to(q.dtype)
 
 class StepBatch:
     """Where one forward's new tokens sit. starts[i]: tokens request i has cached; lens[i]: tokens it
-    brings now. One-token requests (decode) come first, then chunks (prefill); each group attends in
-    one padded call, so a decode query never pays for a long chunk's padding."""
+    brings now. One-token requests (decode) come first and attend together in one call, padded to the
+    longest of them; each prefill chunk then attends alone, at its own size, so no chunk pays for another."""
 
     def __init__(self, starts, lens, device):
         R, N, S = len(lens), sum(lens), sum(n == 1 for n in lens)
@@ -102,31 +107,27 @@ class StepBatch:
         lens_t, starts_t = torch.tensor(lens), torch.tensor(starts)
         ends = lens_t.cumsum(0)
         self.row = torch.repeat_interleave(torch.arange(R), lens_t)  # (N,) request of each token
-        offset = torch.arange(N) - (ends - lens_t)[self.row]  # (N,) index inside its chunk
-        self.positions_cpu = starts_t[self.row] + offset
+        self.positions_cpu = starts_t[self.row] + torch.arange(N) - (ends - lens_t)[self.row]  # (N,)
         self.kv_lens = starts_t + lens_t  # (R,) keys each request has after this step
-        self.num_single, self.Q = S, max(lens[S:], default=1)
+        self.num_single = S
         self.positions = self.positions_cpu.to(device)  # (N,)
         self.logit_rows = (ends - 1).to(device)  # (R,) each request's last new token
         self.single_pos = (self.kv_lens[:S] - 1)[:, None].to(device)  # (S, 1)
-        chunk_index = (self.row[S:] - S) * self.Q + offset[S:]  # (N - S,) into the padded (P * Q)
-        chunk_pos = torch.zeros((R - S) * self.Q, dtype=torch.long)  # NOTE: a padding query sits at 0, sees key 0
-        chunk_pos[chunk_index] = self.positions_cpu[S:]
-        self.chunk_index, self.chunk_pos = chunk_index.to(device), chunk_pos.view(R - S, self.Q).to(device)
+        self.chunks = [(i, end - n, end, start) for i, (start, n, end) in enumerate(zip(starts, lens, ends.tolist()))][S:]
 
     def attend(self, layer, q, k, v):
         """q, k, v: (N, H, D) for the step's new tokens -> (N, H, D)."""
         self.store(layer, k, v)
-        y = torch.empty_like(q)
-        S, (N, H, D), P = self.num_single, q.shape, len(self.chunk_pos)
-        if S:
-            y[:S] = self.attend_single(layer, q[:S].transpose(0, 1)).transpose(0, 1)
-        if S < N:
-            q_pad = q.new_zeros(P * self.Q, H, D)
-            q_pad[self.chunk_index] = q[S:]
-            y_pad = self.attend_chunks(layer, q_pad.view(P, self.Q, H, D).permute(2, 0, 1, 3))  # (H, P, Q, D)
-            y[S:] = y_pad.permute(1, 2, 0, 3).reshape(P * self.Q, H, D)[self.chunk_index]
-        return y
+        S = self.num_single
+        out = [self.attend_single(layer, q[:S])] if S else []
+        for i, a, b, start in self.chunks:
+            if start == 0:  # a fresh chunk sees only itself: causal attention over its own new K/V
+                qc, kc, vc = (t[a:b].transpose(0, 1) for t in (q, k, v))  # (H, n, D)
+                out.append(F.scaled_dot_product_attention(qc, kc, vc, is_causal=True).transpose(0, 1))
+            else:  # a chunk after cached tokens reads them back
+                keys, values = self.cached_kv(layer, i)  # (1, L, H, D)
+                out.append(attend(q[None, a:b], keys, values, self.positions[None, a:b])[0])
+        return torch.cat(out) if len(out) > 1 else out[0]
 
 def bucket(n):  # a power of two, so compiled shapes repeat across steps instead of recompiling
     return 1 << (max(n, 1) - 1).bit_length()
@@ -138,34 +139,34 @@ class PagedBatch(StepBatch):
 
     def __init__(self, k_pool, v_pool, block_tables, starts, lens):
         super().__init__(starts, lens, k_pool.device)
-        self.k_pool, self.v_pool, bs, S = k_pool, v_pool, k_pool.shape[3], self.num_single
+        self.k_pool, self.v_pool, bs, S = k_pool, v_pool, k_pool.shape[2], self.num_single
         width = max(len(t) for t in block_tables)
         table = torch.tensor([t + [0] * (width - len(t)) for t in block_tables])  # (R, W)
         self.slots = (table[self.row, self.positions_cpu // bs] * bs + self.positions_cpu % bs).to(k_pool.device)
-        blocks_read = ((self.kv_lens + bs - 1) // bs).tolist()
-        single_table, single_len = table[:S, :max(blocks_read[:S], default=1)], self.kv_lens[:S]  # (S, W1), (S,)
+        self.blocks_read = ((self.kv_lens + bs - 1) // bs).tolist()
+        single_table, single_len = table[:S, :max(self.blocks_read[:S], default=1)], self.kv_lens[:S]  # (S, W1), (S,)
         self.compile = k_pool.is_cuda
         if self.compile:  # pad rows and width to buckets; padded rows read block 0 with length 1
             B, W = bucket(S), bucket(single_table.shape[1])
             single_table = F.pad(single_table, (0, W - single_table.shape[1], 0, B - S))
             single_len = F.pad(single_len, (0, B - S), value=1)
         self.single_table, self.single_len = single_table.to(k_pool.device), single_len.to(k_pool.device)
-        self.chunk_table = table[S:, :max(blocks_read[S:], default=1)].to(k_pool.device)  # (P, W2)
+        self.table = table.to(k_pool.device)
 
     def store(self, layer, k, v):
         write_kv(self.k_pool[layer], self.v_pool[layer], self.slots, k, v)
 
-    def attend_single(self, layer, q):  # q: (H, S, D)
+    def attend_single(self, layer, q):  # q: (S, H, D)
         k_pool, v_pool = self.k_pool[layer], self.v_pool[layer]
-        if not self.compile:  # eager on a CPU, gather then matmul runs ~4x faster than gather_attend
-            k, v = gather_kv(k_pool, self.single_table), gather_kv(v_pool, self.single_table)
-            return attend(q[:, :, None], k, v, self.single_pos)[:, :, 0]
+        if not self.compile:  # eager on a CPU: copy whole blocks out, then SDPA; no per-element gather
+            k, v = gather_kv(k_pool, self.single_table), gather_kv(v_pool, self.single_table)  # (S, L, H, D)
+            return attend(q[:, None], k, v, self.single_pos)[:, 0]
         if PagedBatch.compiled is None:
             torch._dynamo.config.recompile_limit = 64  # one graph per (batch, width) bucket pair, ~35 in all
             PagedBatch.compiled = torch.compile(gather_attend, dynamic=False)
-        padded = F.pad(q, (0, 0, 0, self.single_table.shape[0] - q.shape[1]))
-        return PagedBatch.compiled(padded, k_pool, v_pool, self.single_table, self.single_len)[:, :q.shape[1]]
+        padded = F.pad(q, (0, 0, 0, 0, 0, self.single_table.shape[0] - q.shape[0]))
+        return PagedBatch.compiled(padded, k_pool, v_pool, self.single_table, self.single_len)[:q.shape[0]]
 
-    def attend_chunks(self, layer, q):  # q: (H, P, Q, D)
-        k, v = gather_kv(self.k_pool[layer], self.chunk_table), gather_kv(self.v_pool[layer], self.chunk_table)
-        return attend(q, k, v, self.chunk_pos)
+    def cached_kv(self, layer, i):  # request i's K/V: (1, L, H, D) each
+        table = self.table[i:i + 1, :self.blocks_read[i]]
+        return gather_kv(self.k_pool[layer], table), gather_kv(self.v_pool[layer], table)

@@ -1,16 +1,19 @@
 """Requests and the engines that serve them. Engine.step is one model forward: plan (which requests
 bring how many tokens) -> batch (where their K/V go, what they read) -> forward -> sample -> bookkeeping.
 Scheduler, the paged engine, plans decode plus chunked prefill under a token budget, with
-backpressure, prefix caching and preemption; the contiguous baseline (generate.py) plans its own."""
+backpressure, prefix caching and preemption; ContiguousEngine is the baseline it is measured against."""
 import hashlib
+import math
 import time
 from array import array
 from collections import deque
 from itertools import chain
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
-from paged import BlockAllocator, PagedBatch
+from model import attend
+from paged import BlockAllocator, PagedBatch, StepBatch
 
 class Request:
     def __init__(self, prompt, max_new_tokens, temperature=0.0, top_k=None, seed=0):
@@ -30,28 +33,37 @@ class Request:
         return self.tokens[self.num_prompt:]
 
 def sample(logits, requests):
-    """logits (R, V) -> R token ids, with nanoGPT's temperature and top-k; temperature 0 is greedy.
-    Each request draws from its own generator, so its tokens never depend on its batch."""
-    V = logits.size(-1)
-    temperature = torch.tensor([r.temperature for r in requests], device=logits.device)
-    logits = logits.float() / torch.where(temperature > 0, temperature, 1.0)[:, None]
-    if any(r.top_k for r in requests):
-        top_k = torch.tensor([min(r.top_k or V, V) for r in requests], device=logits.device)
-        kth = logits.topk(int(top_k.max()), dim=-1).values.gather(1, top_k[:, None] - 1)  # (R, 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    cdf = logits.softmax(-1).cumsum(-1)  # (R, V)
-    u = torch.tensor([torch.rand(1, generator=r.generator).item() for r in requests], device=logits.device)
-    sampled = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp(max=V - 1)
-    return torch.where(temperature > 0, sampled, logits.argmax(-1)).tolist()  # one host transfer
+    """logits (R, V) -> R token ids. Greedy rows (temperature 0) take the argmax and nothing more; the
+    others sample with nanoGPT's temperature and top-k, drawing among the top-k candidates only. Each
+    request draws from its own generator, so its tokens never depend on its batch."""
+    tokens = logits.argmax(-1)
+    hot = [i for i, r in enumerate(requests) if r.temperature > 0]
+    if hot:
+        V, rows = logits.size(-1), torch.tensor(hot, device=logits.device)
+        top_k = [min(requests[i].top_k or V, V) for i in hot]
+        candidates, ids = logits[rows].float(), None  # (h, V): every id, in vocabulary order
+        if min(top_k) < V:  # (h, k): the k best, sorted, so a row's own top_k is a prefix
+            candidates, ids = candidates.topk(max(top_k))
+            beyond = torch.arange(candidates.size(1), device=logits.device) >= torch.tensor(top_k, device=logits.device)[:, None]
+            candidates = candidates.masked_fill(beyond, float("-inf"))
+        temperature = torch.tensor([requests[i].temperature for i in hot], device=logits.device)[:, None]
+        # the max is subtracted before dividing, so a tiny temperature tends to greedy instead of overflowing
+        cdf = ((candidates - candidates.max(-1, keepdim=True).values) / temperature).softmax(-1).cumsum(-1)
+        u = torch.tensor([torch.rand(1, generator=requests[i].generator).item() for i in hot], device=logits.device)
+        pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp(max=cdf.size(1) - 1)  # (h, 1)
+        tokens[rows] = (pick if ids is None else ids.gather(1, pick))[:, 0]
+    return tokens.tolist()  # one host transfer
 
 class Engine:
     """Runs requests to completion. Subclasses choose each step's tokens (schedule) and where their
     K/V live (make_batch, release, kv_slots)."""
 
-    def __init__(self, model, max_batch=64):
+    def __init__(self, model, max_batch=64, num_tokens=None):
         if max_batch < 1:
             raise ValueError(f"max_batch is {max_batch}; it must be at least 1")
         self.model, self.max_batch, self.context = model, max_batch, model.config.block_size
+        # ids from num_tokens on are never sampled: nanoGPT pads GPT-2's 50,257 tokens to 50,304 ids
+        self.num_tokens = num_tokens or model.config.vocab_size
         self.device = model.lm_head.weight.device
         self.waiting, self.running, self.finished = deque(), [], []
         self.stats = []  # one record per step, for metrics and plots
@@ -72,8 +84,8 @@ class Engine:
         if total > self.context:
             raise ValueError(f"prompt of {r.num_prompt} tokens + max_new_tokens {r.max_new_tokens} = {total} "
                              f"exceeds the model's context of {self.context}")
-        if r.temperature < 0 or (r.top_k is not None and r.top_k < 1):
-            raise ValueError(f"temperature {r.temperature} must be >= 0 and top_k {r.top_k} >= 1")
+        if not (math.isfinite(r.temperature) and r.temperature >= 0) or (r.top_k is not None and r.top_k < 1):
+            raise ValueError(f"temperature {r.temperature} must be a finite number >= 0 and top_k {r.top_k} >= 1")
 
     def run(self, requests):
         for r in requests:
@@ -93,7 +105,7 @@ class Engine:
         idx = torch.tensor(list(new), device=self.device)  # (N,)
         logits, _ = self.model(idx, cache=self.make_batch(plan))  # (R, V)
         ready = [i for i, (r, n) in enumerate(plan) if r.num_computed + n == len(r.tokens)]
-        new_tokens = sample(logits[ready], [plan[i][0] for i in ready]) if ready else []
+        new_tokens = sample(logits[ready, :self.num_tokens], [plan[i][0] for i in ready]) if ready else []
         now = time.perf_counter()
         for r, n in plan:
             self.prefill_tokens += n if r.status == "prefilling" else 0
@@ -119,17 +131,61 @@ class Engine:
         used = sum(r.num_computed for r in self.running)
         return used, used
 
+class ContiguousBatch(StepBatch):
+    """The baseline's cache seen by one forward: each request's K/V are its own tensors, grown by
+    torch.cat every step; decode rows are padded side by side to attend in one call."""
+
+    def __init__(self, plan, device):
+        super().__init__([r.num_computed for r, _ in plan], [n for _, n in plan], device)
+        self.requests = [r for r, _ in plan]
+        ends = torch.tensor([n for _, n in plan]).cumsum(0).tolist()
+        self.spans = [(r, end - n, end) for (r, n), end in zip(plan, ends)]
+
+    def store(self, layer, k, v):  # k, v: (N, H, D)
+        for r, a, b in self.spans:
+            r.k[layer] = torch.cat([r.k[layer], k[a:b]])
+            r.v[layer] = torch.cat([r.v[layer], v[a:b]])
+
+    def attend_single(self, layer, q):  # q: (S, H, D)
+        decoding = self.requests[:self.num_single]
+        k = pad_sequence([r.k[layer] for r in decoding], batch_first=True)  # (S, L, H, D)
+        v = pad_sequence([r.v[layer] for r in decoding], batch_first=True)
+        return attend(q[:, None], k, v, self.single_pos)[:, 0]
+
+    def cached_kv(self, layer, i):  # request i's K/V: (1, L, H, D) each
+        return self.requests[i].k[layer][None], self.requests[i].v[layer][None]
+
+class ContiguousEngine(Engine):
+    """Continuous batching without paging: up to max_batch requests run; a new one is prefilled
+    whole in the same forward that decodes the others."""
+
+    def schedule(self):
+        c = self.model.config
+        while self.waiting and len(self.running) < self.max_batch:
+            r = self.waiting.popleft()
+            empty = torch.empty(0, c.n_head, c.n_embd // c.n_head, device=self.device, dtype=self.model.lm_head.weight.dtype)
+            r.k, r.v = [empty] * c.n_layer, [empty] * c.n_layer
+            r.status = "prefilling"
+            self.running.append(r)
+        return [(r, len(r.tokens) - r.num_computed) for r in self.running]
+
+    def make_batch(self, plan):
+        return ContiguousBatch(plan, self.device)
+
+    def release(self, r):
+        r.k = r.v = None
+
 class Scheduler(Engine):
     """The paged engine. A step takes every decoding request's next token, then prefill chunks of
     admitted requests, then newly admitted ones, up to token_budget tokens in all."""
 
-    def __init__(self, model, num_blocks, block_size=16, token_budget=256, max_batch=64, prefix_cache=True):
-        super().__init__(model, max_batch)
+    def __init__(self, model, num_blocks, block_size=16, token_budget=256, max_batch=64, prefix_cache=True, num_tokens=None):
+        super().__init__(model, max_batch, num_tokens)
         if min(block_size, token_budget, num_blocks) < 1:
             raise ValueError(f"block_size {block_size}, token_budget {token_budget} and num_blocks {num_blocks} "
                              "must each be at least 1")
-        c = model.config  # the pool, allocated once: k_pool[layer, head] is (num_blocks, block_size, head_size)
-        shape = (c.n_layer, c.n_head, num_blocks, block_size, c.n_embd // c.n_head)
+        c = model.config  # the pool, allocated once; (layer, head)'s own is k_pool[layer, :, :, head]
+        shape = (c.n_layer, num_blocks, block_size, c.n_head, c.n_embd // c.n_head)
         self.k_pool = torch.zeros(shape, device=self.device, dtype=model.lm_head.weight.dtype)
         self.v_pool = torch.zeros_like(self.k_pool)
         self.allocator = BlockAllocator(num_blocks)

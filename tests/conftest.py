@@ -6,9 +6,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from generate import ContiguousEngine  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
-from scheduler import Request  # noqa: E402
+from scheduler import ContiguousEngine, Request  # noqa: E402
 
 torch.set_num_threads(1)  # tests are many small ops; threads only add overhead on 2 cores
 

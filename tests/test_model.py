@@ -6,10 +6,9 @@ import torch
 from conftest import baseline, make_requests, run_engine, tiny_gpt
 
 import generate
-from generate import ContiguousBatch
 from model import GPT, GPTConfig, load_checkpoint
 from paged import PagedBatch
-from scheduler import Request
+from scheduler import ContiguousBatch, ContiguousEngine, Request
 from train_tiny import get_tokenizer, shakespeare
 
 
@@ -37,7 +36,7 @@ def incremental_logits(model, prompts, decode_steps, make_batch):
 @pytest.mark.parametrize("cache", ["contiguous", "paged"])
 def test_cached_decode_equals_full_recompute(model, cache):
     prompts = [[5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [42], [7, 7, 7]]
-    k_pool, v_pool = torch.zeros(2, 2, 64, 3, 16, dtype=torch.float64), torch.zeros(2, 2, 64, 3, 16, dtype=torch.float64)
+    k_pool, v_pool = torch.zeros(2, 64, 3, 2, 16, dtype=torch.float64), torch.zeros(2, 64, 3, 2, 16, dtype=torch.float64)
     tables = {}
 
     def paged_batch(plan):
@@ -121,9 +120,9 @@ def test_shakespeare_is_plain_speaker_and_verse_text():
 def test_seeded_sample_is_the_same_alone_and_in_a_batch(model, temperature, top_k):
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9], [3, 2]]
     news = [12, 20, 5, 16]
-    together = run_engine(generate.ContiguousEngine(model, 4), make_requests(prompts, news, temperature, top_k))
+    together = run_engine(ContiguousEngine(model, 4), make_requests(prompts, news, temperature, top_k))
     for i in range(len(prompts)):
-        alone = run_engine(generate.ContiguousEngine(model, 1), [make_requests(prompts, news, temperature, top_k)[i]])
+        alone = run_engine(ContiguousEngine(model, 1), [make_requests(prompts, news, temperature, top_k)[i]])
         assert together[i] == alone[0]
     assert together != baseline(model, prompts, news)  # sampling really sampled: not the greedy output
 

@@ -60,7 +60,7 @@ def test_allocating_from_an_empty_pool_raises_and_never_hands_out_twice():
 
 def test_write_then_gather_round_trips_on_scattered_block_tables():
     H, NB, bs, D = 3, 20, 4, 5
-    k_pool, v_pool = torch.zeros(H, NB, bs, D), torch.zeros(H, NB, bs, D)
+    k_pool, v_pool = torch.zeros(NB, bs, H, D), torch.zeros(NB, bs, H, D)
     tables = [[17, 2, 9], [5], [11, 0, 14, 3]]
     lens = [10, 3, 16]
     k = [torch.randn(n, H, D) for n in lens]
@@ -69,9 +69,9 @@ def test_write_then_gather_round_trips_on_scattered_block_tables():
     write_kv(k_pool, v_pool, slots, torch.cat(k), torch.cat(v))
     width = max(map(len, tables))
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    k_got, v_got = gather_kv(k_pool, table), gather_kv(v_pool, table)  # (H, B, L, D)
+    k_got, v_got = gather_kv(k_pool, table), gather_kv(v_pool, table)  # (B, L, H, D)
     for i, n in enumerate(lens):
-        assert torch.equal(k_got[:, i, :n], k[i].transpose(0, 1)) and torch.equal(v_got[:, i, :n], v[i].transpose(0, 1))
+        assert torch.equal(k_got[i, :n], k[i]) and torch.equal(v_got[i, :n], v[i])
 
 
 def reference_attention(q, keys, values):
@@ -88,21 +88,21 @@ def reference_attention(q, keys, values):
 def test_gather_attend_matches_reference_attention(dtype, device):
     torch.manual_seed(0)
     H, NB, bs, D = 4, 40, 4, 8
-    k_pool, v_pool = torch.randn(H, NB, bs, D, dtype=dtype), torch.randn(H, NB, bs, D, dtype=dtype)
+    k_pool, v_pool = torch.randn(NB, bs, H, D, dtype=dtype), torch.randn(NB, bs, H, D, dtype=dtype)
     kv_len = torch.tensor([1, 4, 5, 8, 13, 16, 2])  # length 1, block boundaries, and between
     perm = torch.randperm(NB).tolist()
     tables = [perm[4 * i:4 * i + -(-n // bs)] for i, n in enumerate(kv_len.tolist())]
     table = torch.tensor([t + [0] * (4 - len(t)) for t in tables])  # padded width
-    q = torch.randn(H, len(kv_len), D, dtype=dtype)
+    q = torch.randn(len(kv_len), H, D, dtype=dtype)
     fn = torch.compile(gather_attend) if device == "cuda" else gather_attend
     args = [t.to(device) for t in (q, k_pool, v_pool, table, kv_len)]
     got = fn(*args).cpu()
     for i, n in enumerate(kv_len.tolist()):
-        keys = gather_kv(k_pool, table[i:i + 1])[:, 0, :n].float()
-        values = gather_kv(v_pool, table[i:i + 1])[:, 0, :n].float()
-        want = reference_attention(q[:, i].float(), keys, values)
+        keys = gather_kv(k_pool, table[i:i + 1])[0, :n].transpose(0, 1).float()  # (H, n, D)
+        values = gather_kv(v_pool, table[i:i + 1])[0, :n].transpose(0, 1).float()
+        want = reference_attention(q[i].float(), keys, values)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
-        torch.testing.assert_close(got[:, i].float(), want, rtol=tol, atol=tol)
+        torch.testing.assert_close(got[i].float(), want, rtol=tol, atol=tol)
 
 
 def random_workload(seed, n, max_prompt=30, max_new=25, vocab=300):

@@ -66,7 +66,8 @@ def test_soak_5000_short_requests_through_a_tiny_pool_leak_nothing(model):
     (([1] * 60, 5), "60 tokens + max_new_tokens 5 = 65 exceeds the model's context of 64"),
     (([1] * 10, 0), "max_new_tokens is 0"),
     (([1] * 10, 30), "needs 10 blocks of 4, but the pool has only 8"),
-    (([1], 5, -1.0), "temperature -1.0 must be >= 0"),
+    (([1], 5, -1.0), "temperature -1.0 must be a finite number >= 0"),
+    (([1], 5, float("nan")), "temperature nan must be a finite number >= 0"),
     (([1], 5, 1.0, 0), "top_k 0 >= 1"),
 ])
 def test_requests_that_can_never_run_are_refused_and_others_go_on(model, request_args, message):
