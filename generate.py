@@ -1,146 +1,241 @@
-"""Serve many prompts with a nanoGPT checkpoint: the contiguous baseline, or the paged engine.
+"""Serve prompts with a nanoGPT checkpoint, on the contiguous baseline or the paged engine, and run the
+experiments that compare them on one seeded workload.
 
-    python generate.py                                   # trains out/ckpt.pt first if it is missing
+    python generate.py --paged                       # trains out/ckpt.pt first if it is missing
     python generate.py --paged --prompt "ROMEO:" --num-samples 4
-    python generate.py --compare --num-requests 64 --shared-prefix 100 --prompt-len 101:160 --new-tokens 16:64 --plot c.png
+    python generate.py --compare --num-requests 128 --prompt-len 8:192 --new-tokens 8:64 --plot out/mixed.png
+    python generate.py --compare --kv-budget 4096 --num-requests 200 --sweep-rates 2,4,8 --plot out/sweep.png
 """
 import argparse
 import json
+import math
 import os
 import random
 import sys
 import time
 
+import numpy as np
 import torch
 
 from model import load_checkpoint
 from scheduler import ContiguousEngine, Request, Scheduler
-from train_tiny import get_tokenizer, shakespeare, train
+from train_tiny import HelpFormatter, get_tokenizer, shakespeare, train
 
-def metrics(engine, wall_s):
+LABELS = {"contiguous": "contiguous", "contiguous_max": "contiguous, reserve max", "paged": "paged",
+          "contiguous_pow2": "contiguous, reserve pow2", "contiguous_oracle": "contiguous, reserve oracle",
+          "paged_prefix": "paged + prefix cache"}
+TABLE_KEYS = ["same_output_pct", "output_tokens", "wall_s", "output_tok_s", "ttft_ms_mean", "ttft_ms_p90", "ttft_ms_p99",
+              "tpot_ms_mean", "latency_ms_mean", "latency_ms_p50", "latency_ms_p90", "latency_ms_p99",
+              "normalized_latency_ms", "request_rate", "steps", "prefill_tokens", "prefix_hit_rate", "preemptions",
+              "running_peak", "running_mean", "kv_budget_slots", "kv_used_pct_mean", "kv_slots_allocated_peak",
+              "kv_slots_used_peak", "kv_waste_pct", "kv_ahead_pct", "num_blocks", "block_size"]
+
+def percentile(values, p):
+    """Linear interpolation between closest ranks (numpy's default; Hyndman and Fan's type 7), used for
+    every percentile here: with two values, p90 lies 90% of the way from the smaller to the larger."""
+    return float(np.percentile(values, p)) if values else None
+
+def mean(values):
+    values = list(values)
+    return sum(values) / len(values) if values else None
+
+def metrics(engine, wall_s, rate, kv_budget):
     reqs, stats = engine.finished, engine.stats
     out = sum(len(r.generated) for r in reqs)
-    ttft = sorted((r.first_token_at - r.arrival) * 1000 for r in reqs)
-    per_token = [(r.done_at - r.first_token_at) * 1000 / (len(r.generated) - 1) for r in reqs if len(r.generated) > 1]
+    ttft = [(r.first_token_at - r.arrival) * 1000 for r in reqs]
+    latency = [(r.done_at - r.arrival) * 1000 for r in reqs]  # end to end, from arrival to the last token
     peak = max(stats, key=lambda s: s["allocated"])
-    busiest = max(stats, key=lambda s: s["running"])  # what reserving the whole context per request would take
-    m = dict(output_tokens=out, wall_s=wall_s, output_tok_s=out / wall_s, ttft_ms_mean=sum(ttft) / len(ttft),
-             ttft_ms_p90=ttft[int(0.9 * (len(ttft) - 1))], ms_per_token=sum(per_token) / max(1, len(per_token)),
-             steps=len(stats), prefill_tokens=engine.prefill_tokens, preemptions=engine.num_preemptions,
+    m = dict(output_tokens=out, wall_s=wall_s, output_tok_s=out / wall_s, ttft_ms_mean=mean(ttft),
+             ttft_ms_p90=percentile(ttft, 90), ttft_ms_p99=percentile(ttft, 99),
+             tpot_ms_mean=mean((r.done_at - r.first_token_at) * 1000 / (len(r.generated) - 1)  # None if no request
+                               for r in reqs if len(r.generated) > 1),  # made a second token: not applicable
+             latency_ms_mean=mean(latency), latency_ms_p50=percentile(latency, 50), latency_ms_p90=percentile(latency, 90),
+             latency_ms_p99=percentile(latency, 99), normalized_latency_ms=mean(t / len(r.generated) for t, r in zip(latency, reqs)),
+             request_rate=rate, steps=len(stats), prefill_tokens=engine.prefill_tokens, preemptions=engine.num_preemptions,
+             running_peak=max(s["running"] for s in stats), running_mean=mean(s["running"] for s in stats),
+             kv_budget_slots=kv_budget, kv_used_pct_mean=100 * mean(s["used"] / (kv_budget or max(1, s["allocated"])) for s in stats),
              kv_slots_allocated_peak=peak["allocated"], kv_slots_used_peak=peak["used"],
-             kv_waste_pct=100 * (1 - peak["used"] / max(1, peak["allocated"])),
-             kv_slots_static=busiest["running"] * engine.context,
-             static_used_pct=100 * busiest["used"] / max(1, busiest["running"] * engine.context), prefix_hit_rate=0.0)
+             # at peak allocation: unfilled tails of last blocks (fragmentation), and blocks held ahead of prefill
+             kv_waste_pct=100 * (peak["allocated"] - peak["used"] - peak["ahead"]) / max(1, peak["allocated"]),
+             kv_ahead_pct=100 * peak["ahead"] / max(1, peak["allocated"]), prefix_hit_rate=None)
     if isinstance(engine, Scheduler):
         m.update(num_blocks=engine.allocator.num_blocks, block_size=engine.block_size,
-                 peak_blocks=peak["allocated"] // engine.block_size,
-                 prefix_hit_rate=engine.cached_prompt_tokens / max(1, engine.prompt_tokens))
+                 prefix_hit_rate=engine.cached_tokens / max(1, engine.admitted_tokens))
     return m
 
+def cell(v):
+    if v is None:
+        return "—"
+    if isinstance(v, int) or math.isinf(v):
+        return f"{v:,}"
+    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:,.2f}"
+
 def table(runs):
-    """One column per run, then each later run's ratio to the first."""
-    keys = ["same_output_pct", "output_tokens", "wall_s", "output_tok_s", "ttft_ms_mean", "ttft_ms_p90", "ms_per_token", "steps",
-            "prefill_tokens", "prefix_hit_rate", "preemptions", "kv_slots_allocated_peak", "kv_slots_used_peak",
-            "kv_waste_pct", "kv_slots_static", "static_used_pct", "peak_blocks", "num_blocks", "block_size"]
+    """One column per run, then each run's speed relative to the first."""
     names = list(runs)
-    rows = [f"{'metric':<24}" + "".join(f"{n:>14}" for n in names) + "".join(f"{n + '/' + names[0]:>26}" for n in names[1:])]
-    for k in keys:
-        vals = [runs[n].get(k) for n in names]
-        cells = "".join(f"{'-' if v is None else f'{v:.4g}':>14}" for v in vals)
-        ratios = "".join(f"{f'{v / vals[0]:.2f}x' if v is not None and vals[0] else '-':>26}" for v in vals[1:])
-        rows.append(f"{k:<24}{cells}{ratios}")
+    width = max(len(LABELS[n]) for n in names) + 2
+    rows = [f"{'metric':<24}" + "".join(f"{LABELS[n]:>{width}}" for n in names)]
+    rows += [f"{k:<24}" + "".join(f"{cell(runs[n].get(k)):>{width}}" for n in names) for k in TABLE_KEYS]
+    first = runs[names[0]]["output_tok_s"]
+    rows += [f"output tok/s relative to {LABELS[names[0]]}: " + ", ".join(
+        f"{LABELS[n]} {runs[n]['output_tok_s'] / first:.2f}x" for n in names[1:])] if len(names) > 1 else []
     return "\n".join(rows)
+
+def fail(message):
+    sys.exit(f"error: {message}")
 
 def workload(enc, args):
     """Prompts cut from the held-out plays, seeded; each request generates exactly its drawn count."""
     rng = random.Random(args.seed)
     val = enc.encode_ordinary(shakespeare()[1])
-    lo, hi = args.prompt_len
-    shared = val[:args.shared_prefix]
+    (lo, hi), shared = args.prompt_len, args.shared_prefix
+    if shared >= hi:
+        fail(f"--shared-prefix {shared} must be shorter than the --prompt-len maximum {hi}: every prompt has a token of its own")
+    if shared + hi >= len(val):
+        fail(f"--shared-prefix {shared} + --prompt-len maximum {hi} do not fit in the {len(val):,} tokens of held-out text")
     prompts, news = [], []
     for _ in range(args.num_requests):
-        start = rng.randrange(args.shared_prefix, len(val) - hi)
-        prompts.append(shared + val[start:start + max(1, rng.randint(lo, hi) - len(shared))])
+        start = rng.randrange(shared, len(val) - hi)
+        prompts.append(val[:shared] + val[start:start + max(1, rng.randint(lo, hi) - shared)])
         news.append(rng.randint(*args.new_tokens))
     return prompts, news
 
-def serve(model, prompts, news, args, kind):
-    """Run one engine over the requests -> (requests in input order, metrics, per-step stats)."""
-    requests = [Request(p, n, args.temperature, args.top_k, seed=args.seed + i) for i, (p, n) in enumerate(zip(prompts, news))]
-    if kind == "contiguous":
-        engine = ContiguousEngine(model, args.max_batch)
-    else:
-        bs = args.block_size
-        num_blocks = args.num_blocks or sum(-(-(len(p) + n - 1) // bs) for p, n in zip(prompts, news))
-        engine = Scheduler(model, num_blocks, bs, args.token_budget, args.max_batch, prefix_cache=kind == "paged_prefix")
-    start = time.perf_counter()
-    engine.run(requests)  # every step ends in a host transfer of its tokens, so no GPU work is left pending
-    return requests, metrics(engine, time.perf_counter() - start), engine.stats
+def arrivals(n, rate, seed):
+    """Poisson arrivals, in seconds from the start: exponential gaps, seeded. Rate inf: all at 0."""
+    rng, t, times = random.Random(seed), 0.0, []
+    for _ in range(n):
+        t += 0.0 if math.isinf(rate) else rng.expovariate(rate)
+        times.append(t)
+    return times
 
-def plot(all_stats, path):
+def make_engine(model, kind, args, prompts, news, num_tokens):
+    if kind.startswith("contiguous"):
+        return ContiguousEngine(model, args.max_batch, num_tokens, args.kv_budget, kind.partition("_")[2] or "max")
+    bs = args.block_size
+    num_blocks = (args.kv_budget // bs if args.kv_budget else args.num_blocks) or \
+        sum(-(-(len(p) + n - 1) // bs) for p, n in zip(prompts, news))  # default: every request at once
+    return Scheduler(model, num_blocks, bs, args.token_budget, args.max_batch, kind == "paged_prefix", num_tokens)
+
+def serve(engine, requests, args, rate):
+    """Run one engine over the requests, arriving at `rate` -> its metrics."""
+    start = engine.clock.now()
+    engine.run(requests, [start + t for t in arrivals(len(requests), rate, args.seed)])
+    return metrics(engine, engine.clock.now() - start, rate, args.kv_budget)  # every step ends in a host transfer
+
+def plot(all_stats, sweep, path, title):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    for name, stats in all_stats.items():
-        axes[0].plot([s["allocated"] for s in stats], label=name)
-        axes[1].plot([s["running"] for s in stats], label=name)
-        axes[2].scatter([s["context"] for s in stats], [1000 * s["seconds"] for s in stats], s=6, label=name)
-    for ax, (title, x, y) in zip(axes, [("KV slots allocated", "step", "slots"), ("running requests", "step", "requests"),
-                                        ("step time vs context in batch", "keys attended in the step", "ms")]):
-        ax.set(title=title, xlabel=x, ylabel=y)
+    if sweep:  # the rate sweep: the paper's Fig. 12 (latency) and Fig. 13 (batch size) axes
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+        for name in sweep[0]["runs"]:
+            rates = [point["request_rate"] for point in sweep]
+            axes[0].plot(rates, [point["runs"][name]["normalized_latency_ms"] for point in sweep], "o-", label=LABELS[name])
+            axes[1].plot(rates, [point["runs"][name]["running_mean"] for point in sweep], "o-", label=LABELS[name])
+        panels = [("normalized latency", "request rate (req/s)", "ms per output token"),
+                  ("mean batch size", "request rate (req/s)", "requests running at once")]
+    else:
+        fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+        for name, stats in all_stats.items():
+            axes[0].plot([s["allocated"] for s in stats], label=LABELS[name])
+            axes[1].plot([s["running"] for s in stats], label=LABELS[name])
+            axes[2].scatter([s["context"] for s in stats], [1000 * s["seconds"] for s in stats], s=6, label=LABELS[name])
+        axes[2].set_yscale("log")  # a whole-batch prefill step would flatten the rest
+        panels = [("KV slots allocated", "step", "slots"), ("running requests", "step", "requests"),
+                  ("step time vs context in batch", "keys attended in the step", "ms")]
+    for ax, (name, x, y) in zip(axes, panels):
+        ax.set(title=name, xlabel=x, ylabel=y)
         ax.legend()
-    axes[2].set_yscale("log")  # a whole-batch prefill step would flatten the rest
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
-def at_least(least, kind=int):
+def number_type(least=None, above=None, kind=int, allow_inf=False):
+    """An argparse type: a finite number (or inf where allowed) at least `least` or above `above`."""
     def parse(text):
-        value = kind(text)
-        if value < least:
-            raise argparse.ArgumentTypeError(f"{value} is below {least}")
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not (math.isfinite(value) or (allow_inf and value == math.inf)):
+            raise argparse.ArgumentTypeError(f"{text} is not a finite number")
+        if (least is not None and not value >= least) or (above is not None and not value > above):
+            raise argparse.ArgumentTypeError(f"{text} is below {least}" if least is not None else f"{text} must be above {above}")
         return value
     return parse
 
 def span(text):
     lo, _, hi = text.partition(":")
-    lo, hi = int(lo), int(hi or lo)
+    try:
+        lo, hi = int(lo), int(hi or lo)
+    except ValueError:
+        lo = hi = 0
     if not 1 <= lo <= hi:
         raise argparse.ArgumentTypeError(f"{text!r} is not MIN:MAX with 1 <= MIN <= MAX")
     return lo, hi
 
+def rates(text):
+    return [number_type(above=0, kind=float)(r) for r in text.split(",")]
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.error = lambda message: sys.exit(f"error: {message}")  # one line, no usage dump
-    p.add_argument("--ckpt", default="out/ckpt.pt")
-    p.add_argument("--prompt", action="append", help="repeatable")
-    p.add_argument("--prompts", help="file with one prompt per line")
-    p.add_argument("--num-samples", type=at_least(1), default=1, help="samples per prompt")
-    p.add_argument("--max-new-tokens", type=at_least(1), default=100)
-    p.add_argument("--temperature", type=at_least(0.0, float), default=0.8, help="0 means greedy")
-    p.add_argument("--top-k", type=at_least(1), default=200)
-    p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--max-batch", type=at_least(1), default=64, help="requests running at once")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p.error = lambda message: fail(message)  # one line, no usage dump
+    p.add_argument("--ckpt", default="out/ckpt.pt", help="nanoGPT checkpoint; the default is trained if missing")
+    p.add_argument("--prompt", action="append", help="a prompt; repeatable (default: four speaker names)")
+    p.add_argument("--prompts", help="a UTF-8 file with one prompt per line, \\n for a newline")
+    p.add_argument("--num-samples", type=number_type(1), default=1, help="samples per prompt")
+    p.add_argument("--max-new-tokens", type=number_type(1), help="tokens generated per prompt (default: 100)")
+    p.add_argument("--temperature", type=number_type(0.0, kind=float), default=0.8, help="0 means greedy")
+    p.add_argument("--top-k", type=number_type(1), default=200, help="sample among the k likeliest tokens")
+    p.add_argument("--seed", type=int, default=1337, help="seeds sampling, the workload and arrivals")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"], help="model and KV dtype; float64 for exact equivalence checks")
+    p.add_argument("--max-batch", type=number_type(1), default=64, help="requests running at once")
     p.add_argument("--json", help="write requests and metrics to this file")
-    p.add_argument("--paged", action="store_true", help="serve with the paged engine")
-    p.add_argument("--block-size", type=at_least(1), default=16)
-    p.add_argument("--num-blocks", type=at_least(1), help="default: enough for every request at once")
-    p.add_argument("--token-budget", type=at_least(1), default=256, help="tokens per paged step")
-    p.add_argument("--no-prefix-cache", action="store_true")
-    p.add_argument("--compare", action="store_true", help="contiguous, paged, paged + prefix cache, one workload")
-    p.add_argument("--num-requests", type=at_least(1), help="serve a seeded workload cut from held-out text")
+    p.add_argument("--metrics", action="store_true", help="print the metrics table after plain generation")
+    p.add_argument("--paged", action="store_true", help="serve with the paged engine (default: contiguous)")
+    p.add_argument("--block-size", type=number_type(1), default=16, help="token slots per KV block")
+    p.add_argument("--num-blocks", type=number_type(1), help="KV blocks in the pool (default: every request at once)")
+    p.add_argument("--token-budget", type=number_type(1), default=256, help="tokens per paged step: decode + prefill chunks")
+    p.add_argument("--no-prefix-cache", action="store_true", help="paged without sharing prompt blocks")
+    p.add_argument("--kv-budget", type=number_type(1), help="KV token slots every design must live within")
+    p.add_argument("--reserve", choices=["max", "pow2", "oracle"], help="contiguous reservation under --kv-budget (default: max)")
+    p.add_argument("--request-rate", type=number_type(above=0, kind=float, allow_inf=True), default=math.inf,
+                   help="Poisson arrivals per second; inf: all at once")
+    p.add_argument("--compare", action="store_true", help="every design on one workload: one table, one plot")
+    p.add_argument("--sweep-rates", type=rates, help="with --compare: comma-separated request rates, each run by every design")
+    p.add_argument("--num-requests", type=number_type(1), help="serve a seeded workload cut from held-out text")
     p.add_argument("--prompt-len", type=span, default=(16, 128), help="workload prompt tokens, MIN:MAX")
     p.add_argument("--new-tokens", type=span, default=(16, 128), help="workload new tokens, MIN:MAX")
-    p.add_argument("--shared-prefix", type=at_least(0), default=0, help="tokens every workload prompt starts with")
-    p.add_argument("--plot", help="draw the runs to this PNG")
-    return p.parse_args(argv)
+    p.add_argument("--shared-prefix", type=number_type(0), default=0, help="tokens every workload prompt starts with")
+    p.add_argument("--plot", help="draw the runs (or the sweep) to this image file")
+    args = p.parse_args(argv)
+    for flag, value, needs, present in [("--reserve", args.reserve, "--kv-budget", args.kv_budget),
+                                        ("--sweep-rates", args.sweep_rates, "--compare", args.compare),
+                                        ("--num-blocks", args.num_blocks, "no --kv-budget", not args.kv_budget)]:
+        if value and not present:
+            fail(f"{flag} needs {needs}")
+    if args.kv_budget and args.kv_budget < args.block_size:
+        fail(f"--kv-budget {args.kv_budget} slots hold no block of --block-size {args.block_size}")
+    workload_run = args.num_requests or (args.compare and not (args.prompt or args.prompts))
+    if workload_run and args.max_new_tokens:
+        fail("--max-new-tokens is for your own prompts; a --num-requests workload draws --new-tokens MIN:MAX")
+    args.max_new_tokens = args.max_new_tokens or 100
+    args.num_requests = args.num_requests or (64 if workload_run else None)
+    for flag, path in [("--json", args.json), ("--plot", args.plot)]:  # fail now, not after the whole run
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if path and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+            fail(f"{flag} {path}: the folder {folder} does not exist or is not writable")
+    if args.plot:
+        from matplotlib.backend_bases import FigureCanvasBase
+        kinds = FigureCanvasBase.get_supported_filetypes()
+        if os.path.splitext(args.plot)[1][1:].lower() not in kinds:
+            fail(f"--plot {args.plot}: the file name must end in one of .{', .'.join(sorted(kinds))}")
+    return args
 
 def read_prompts(args, enc):
     """The prompts as (texts, token lists, new-token counts), or exit with a one-line error."""
-    if args.num_requests or args.compare:
-        args.num_requests = args.num_requests or 64
+    if args.num_requests:
         prompts, news = workload(enc, args)
         return [enc.decode(p) for p in prompts], prompts, news
     texts = list(args.prompt or [])
@@ -149,52 +244,93 @@ def read_prompts(args, enc):
             with open(args.prompts, encoding="utf-8") as f:
                 texts += [line.rstrip("\n").replace("\\n", "\n") for line in f if line.strip()]
         except OSError as e:
-            sys.exit(f"error: cannot read --prompts file {args.prompts}: {e.strerror}")
+            fail(f"cannot read --prompts file {args.prompts}: {e.strerror}")
+        except UnicodeDecodeError as e:
+            fail(f"--prompts file {args.prompts} is not UTF-8 text: {e.reason} at byte {e.start}")
         if not texts:
-            sys.exit(f"error: --prompts file {args.prompts} holds no prompt")
+            fail(f"--prompts file {args.prompts} holds no prompt")
     texts = [t for t in texts or ["ROMEO:\n", "JULIET:\n", "HAMLET:\n", "KING LEAR:\n"] for _ in range(args.num_samples)]
     prompts = [enc.encode(t, allowed_special={"<|endoftext|>"}) for t in texts]  # Engine.add checks each
     return texts, prompts, [args.max_new_tokens] * len(prompts)
 
+def request_json(texts, requests, enc):
+    return [{"index": i, "prompt": texts[i], "prompt_tokens": r.tokens[:r.num_prompt], "output_tokens": r.generated,
+             "text": enc.decode(r.generated)} for i, r in enumerate(requests) if r.status == "done"]
+
 def main(argv=None):
     args = parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
-        sys.exit(f"error: --device {args.device} asked for, but this torch sees no CUDA GPU")
+        fail(f"--device {args.device} asked for, but this torch sees no CUDA GPU")
     if args.ckpt == "out/ckpt.pt" and not os.path.exists(args.ckpt):
-        print("no checkpoint at out/ckpt.pt: training the tiny model first (about 5 minutes on 2 CPU cores)")
+        print("no checkpoint at out/ckpt.pt: training the tiny model first (1,000 iterations, ~5 min on 2 CPU cores)")
         train(out_dir="out", device=args.device)
     try:
         model = load_checkpoint(args.ckpt, args.device).to(getattr(torch, args.dtype))
+        enc = get_tokenizer(model.config.vocab_size)
     except ValueError as e:
-        sys.exit(f"error: {e}")
-    enc = get_tokenizer(model.config.vocab_size)
+        fail(e)
     texts, prompts, news = read_prompts(args, enc)
-    kinds = ["contiguous", "paged", "paged_prefix"] if args.compare else \
-        ["paged" if args.no_prefix_cache else "paged_prefix"] if args.paged else ["contiguous"]
-    runs, all_stats = {}, {}
+    if args.compare:
+        kinds = ["contiguous_max", "contiguous_pow2", "contiguous_oracle"] if args.kv_budget else ["contiguous"]
+        kinds += ["paged", "paged_prefix"]
+    elif args.paged:
+        kinds = ["paged" if args.no_prefix_cache else "paged_prefix"]
+    else:
+        kinds = ["contiguous_" + (args.reserve or "max") if args.kv_budget else "contiguous"]
+    if args.kv_budget:
+        c = model.config  # one slot: one token's K and V in every layer and head
+        slot_bytes = 2 * c.n_layer * c.n_embd * model.lm_head.weight.element_size()
+        print(f"KV budget: {args.kv_budget:,} slots x {slot_bytes:,} bytes = {args.kv_budget * slot_bytes / 2**20:,.1f} MB")
+    sweep, runs, all_stats, requests = [], {}, {}, []
     try:
-        for kind in kinds:
-            requests, runs[kind], all_stats[kind] = serve(model, prompts, news, args, kind)
-            if kind == kinds[0]:
-                first = requests
-            else:  # token for token against the first run, on the same workload
-                same = sum(r.generated == f.generated for r, f in zip(requests, first))
-                runs[kind]["same_output_pct"] = 100 * same / len(requests)
+        for rate in args.sweep_rates or [args.request_rate]:
+            runs = {}
+            for kind in kinds:
+                engine = make_engine(model, kind, args, prompts, news, enc.n_vocab)
+                requests = [Request(p, n, args.temperature, args.top_k, seed=args.seed + i) for i, (p, n) in enumerate(zip(prompts, news))]
+                runs[kind] = serve(engine, requests, args, rate)
+                all_stats[kind] = engine.stats
+                if kind == kinds[0]:
+                    first = requests
+                else:  # token for token against the first run, on the same workload
+                    runs[kind]["same_output_pct"] = 100 * sum(r.generated == f.generated for r, f in zip(requests, first)) / len(requests)
+            sweep.append({"request_rate": rate, "runs": runs})
+            if args.sweep_rates:
+                print(f"--- request rate {rate:g}/s\n{table(runs)}", flush=True)
     except ValueError as e:
-        sys.exit(f"error: {e}")
-    if not args.num_requests:
+        fail(e)
+    except KeyboardInterrupt:  # keep what finished: the runs done, and the requests done in this one
+        done = request_json(texts, requests, enc)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"interrupted": True, "runs": runs, "requests": done}, f, indent=1)
+        fail(f"interrupted: {len(done)} of {len(requests)} requests of this run had finished"
+             + (f"; they and the finished runs are in {args.json}" if args.json else ""))
+    workload_name = (f"{len(prompts)} requests, prompts {args.prompt_len[0]}-{args.prompt_len[1]} tokens, "
+                     f"{args.new_tokens[0]}-{args.new_tokens[1]} new" if args.num_requests else f"{len(prompts)} prompts")
+    if args.kv_budget:
+        workload_name += f", KV budget {args.kv_budget:,} slots"
+    if not args.num_requests and not args.compare:
         for i, r in enumerate(requests):
             print(f"--- request {i}, {len(r.generated)} new tokens\n{texts[i]}{enc.decode(r.generated)}")
-    print(f"--- {len(prompts)} requests on {args.device}, {args.dtype}\n{table(runs)}")
-    if args.plot:
-        plot(all_stats, args.plot)
-        print(f"plot written to {args.plot}")
+        m = runs[kinds[0]]
+        print(f"--- {LABELS[kinds[0]]}: {m['output_tokens']:,} new tokens in {m['wall_s']:.2f} s, "
+              f"{m['output_tok_s']:,.0f} tok/s ({args.device}, {args.dtype})")
+    if args.num_requests or args.compare or args.metrics:
+        if not args.sweep_rates:
+            print(f"--- {workload_name} on {args.device}, {args.dtype}\n{table(runs)}")
     if args.json:
-        out = {"runs": runs} if args.compare else {"metrics": runs[kinds[0]], "requests": [
-            {"prompt": t, "prompt_tokens": r.tokens[:r.num_prompt], "output_tokens": r.generated,
-             "text": enc.decode(r.generated)} for t, r in zip(texts, requests)]}
+        if args.sweep_rates:
+            out = {"sweep": sweep}
+        elif args.compare:
+            out = {"runs": runs}
+        else:
+            out = {"metrics": runs[kinds[0]], "requests": request_json(texts, requests, enc)}
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
+    if args.plot:
+        plot(all_stats, sweep if args.sweep_rates else None, args.plot, workload_name)
+        print(f"plot written to {args.plot}")
 
 if __name__ == "__main__":
     main()

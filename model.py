@@ -29,7 +29,7 @@ def attend(q, k, v, q_pos):
 class CausalSelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
-        assert config.n_embd % config.n_head == 0
+        assert config.n_embd % config.n_head == 0, f"n_embd {config.n_embd} is not a multiple of n_head {config.n_head}"
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
@@ -110,14 +110,28 @@ def load_checkpoint(path, device="cpu"):
     """A nanoGPT ckpt.pt -> GPT in eval mode. Raises ValueError with a one-line reason."""
     try:
         ckpt = torch.load(path, map_location=device, weights_only=True)
+    except FileNotFoundError:
+        raise ValueError(f"no checkpoint at {path}") from None
+    except Exception as e:
+        raise ValueError(f"cannot read checkpoint {path}: not a PyTorch checkpoint ({one_line(e)})") from None
+    try:
+        if not isinstance(ckpt, dict) or not {"model", "model_args"} <= set(ckpt):
+            raise ValueError("it holds no 'model' and 'model_args', as nanoGPT's ckpt.pt does")
+        missing = [k for k in GPTConfig.__annotations__ if k not in ckpt["model_args"] and k != "dropout"]
+        if missing:  # GPTConfig's defaults would silently build another model
+            raise ValueError(f"its model_args lack {', '.join(missing)}")
         config = GPTConfig(**{k: v for k, v in ckpt["model_args"].items() if k in GPTConfig.__annotations__})
+        if config.n_embd % config.n_head:
+            raise ValueError(f"model_args n_embd {config.n_embd} is not a multiple of n_head {config.n_head}")
         state = {k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()}
         # nanoGPT without flash attention saved its causal mask as a buffer; ours needs none
         state = {k: v for k, v in state.items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
         model = GPT(config)
         model.load_state_dict(state)
-    except FileNotFoundError:
-        raise ValueError(f"no checkpoint at {path}") from None
     except Exception as e:
-        raise ValueError(f"cannot read checkpoint {path}: {type(e).__name__}: {str(e).splitlines()[0][:200]}") from None
+        raise ValueError(f"cannot read checkpoint {path}: {one_line(e)}") from None
     return model.to(device).eval()
+
+def one_line(e, limit=400):  # load_state_dict's message spans lines; keep the key and shapes it names
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= limit else text[:limit] + "..."

@@ -3,6 +3,8 @@ bring how many tokens) -> batch (where their K/V go, what they read) -> forward 
 Scheduler, the paged engine, plans decode plus chunked prefill under a token budget, with
 backpressure, prefix caching and preemption; ContiguousEngine is the baseline it is measured against."""
 import hashlib
+import heapq
+import itertools
 import math
 import time
 from array import array
@@ -54,26 +56,37 @@ def sample(logits, requests):
         tokens[rows] = (pick if ids is None else ids.gather(1, pick))[:, 0]
     return tokens.tolist()  # one host transfer
 
+class Clock:
+    """Wall time. The engine only asks now() and sleep(), so a test can swap in a fake clock."""
+    now = staticmethod(time.perf_counter)
+    sleep = staticmethod(time.sleep)
+
 class Engine:
     """Runs requests to completion. Subclasses choose each step's tokens (schedule) and where their
     K/V live (make_batch, release, kv_slots)."""
 
-    def __init__(self, model, max_batch=64, num_tokens=None):
+    def __init__(self, model, max_batch=64, num_tokens=None, clock=None):
         if max_batch < 1:
             raise ValueError(f"max_batch is {max_batch}; it must be at least 1")
         self.model, self.max_batch, self.context = model, max_batch, model.config.block_size
         # ids from num_tokens on are never sampled: nanoGPT pads GPT-2's 50,257 tokens to 50,304 ids
         self.num_tokens = num_tokens or model.config.vocab_size
         self.device = model.lm_head.weight.device
+        self.clock = clock or Clock()
+        self.arriving = []  # a heap of (arrival, order, request) not yet arrived
+        self.order = itertools.count()
         self.waiting, self.running, self.finished = deque(), [], []
         self.stats = []  # one record per step, for metrics and plots
         self.prefill_tokens = self.num_preemptions = 0
 
-    def add(self, r):
-        """Queue a request, or refuse it with a one-line ValueError if it can never run."""
+    def add(self, r, arrival=None):
+        """Queue a request that arrives at clock time `arrival` (default: now), or refuse it with a
+        one-line ValueError if it can never run or was added before."""
+        if r.arrival is not None:
+            raise ValueError(f"this request was added before (it is {r.status}); a request runs once")
         self.check(r)
-        r.arrival = time.perf_counter()
-        self.waiting.append(r)
+        r.arrival = self.clock.now() if arrival is None else arrival
+        heapq.heappush(self.arriving, (r.arrival, next(self.order), r))
 
     def check(self, r):
         total = r.num_prompt + r.max_new_tokens
@@ -81,39 +94,47 @@ class Engine:
             raise ValueError("empty prompt: a request needs at least one token")
         if r.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens is {r.max_new_tokens}; it must be at least 1")
-        if total > self.context:
+        if total - 1 > self.context:  # the last new token is never fed back, so it needs no position
             raise ValueError(f"prompt of {r.num_prompt} tokens + max_new_tokens {r.max_new_tokens} = {total} "
-                             f"exceeds the model's context of {self.context}")
+                             f"exceeds the model's context of {self.context} (+1: the last token is never fed back)")
         if not (math.isfinite(r.temperature) and r.temperature >= 0) or (r.top_k is not None and r.top_k < 1):
             raise ValueError(f"temperature {r.temperature} must be a finite number >= 0 and top_k {r.top_k} >= 1")
 
-    def run(self, requests):
-        for r in requests:
-            self.add(r)
-        while self.waiting or self.running:
+    def run(self, requests, arrivals=None):
+        for r, arrival in zip(requests, arrivals or [None] * len(requests)):
+            self.add(r, arrival)
+        while self.arriving or self.waiting or self.running:
             self.step()
         return requests
 
+    def take_arrivals(self):
+        while self.arriving and self.arriving[0][0] <= self.clock.now():
+            self.waiting.append(heapq.heappop(self.arriving)[2])
+
     @torch.no_grad()
     def step(self):
+        self.take_arrivals()
+        while self.arriving and not self.waiting and not self.running:  # idle: sleep until the next arrival
+            self.clock.sleep(max(0.0, self.arriving[0][0] - self.clock.now()))
+            self.take_arrivals()
         plan = self.schedule()  # [(request, number of new tokens)]
         if not plan:  # admission always lets something run; never spin
             raise RuntimeError(f"no progress: {len(self.waiting)} waiting, {len(self.running)} running")
         plan.sort(key=lambda item: item[1] > 1)  # one-token requests first, as StepBatch wants
-        start = time.perf_counter()
+        start = self.clock.now()
         new = chain.from_iterable(r.tokens[r.num_computed:r.num_computed + n] for r, n in plan)
         idx = torch.tensor(list(new), device=self.device)  # (N,)
         logits, _ = self.model(idx, cache=self.make_batch(plan))  # (R, V)
         ready = [i for i, (r, n) in enumerate(plan) if r.num_computed + n == len(r.tokens)]
         new_tokens = sample(logits[ready, :self.num_tokens], [plan[i][0] for i in ready]) if ready else []
-        now = time.perf_counter()
+        now = self.clock.now()
         for r, n in plan:
             self.prefill_tokens += n if r.status == "prefilling" else 0
             r.num_computed += n
             self.computed(r, n)
-        allocated, used = self.kv_slots()
-        self.stats.append(dict(seconds=now - start, running=len(self.running), allocated=allocated, used=used,
-                               context=sum(r.num_computed for r, _ in plan)))
+        allocated, used, ahead = self.kv_slots()
+        self.stats.append(dict(time=now, seconds=now - start, running=len(self.running), allocated=allocated,
+                               used=used, ahead=ahead, context=sum(r.num_computed for r, _ in plan)))
         for i, token in zip(ready, new_tokens):
             r = plan[i][0]
             r.tokens.append(token)
@@ -127,9 +148,9 @@ class Engine:
     def computed(self, r, n):  # hook: r's K/V just grew by n tokens
         pass
 
-    def kv_slots(self):  # (slots allocated, slots holding a token's K/V)
+    def kv_slots(self):  # slots (allocated, holding a token's K/V, allocated ahead for tokens to come)
         used = sum(r.num_computed for r in self.running)
-        return used, used
+        return used, used, 0
 
 class ContiguousBatch(StepBatch):
     """The baseline's cache seen by one forward: each request's K/V are its own tensors, grown by
@@ -156,13 +177,36 @@ class ContiguousBatch(StepBatch):
         return self.requests[i].k[layer][None], self.requests[i].v[layer][None]
 
 class ContiguousEngine(Engine):
-    """Continuous batching without paging: up to max_batch requests run; a new one is prefilled
-    whole in the same forward that decodes the others."""
+    """Continuous batching without paging: up to max_batch requests run; a new one is prefilled whole
+    in the same forward that decodes the others. Under a KV budget (token slots), a request is admitted
+    only if its reservation fits in what is left, and holds it until it finishes, as the vLLM paper's
+    baselines do: the whole context (max: FasterTransformer, Orca (Max)), prompt + max_new_tokens
+    rounded up to a power of two (pow2: Orca (Pow2)), or exactly (oracle: Orca (Oracle))."""
+
+    def __init__(self, model, max_batch=64, num_tokens=None, kv_budget=None, reserve="max", clock=None):
+        super().__init__(model, max_batch, num_tokens, clock)
+        if reserve not in ("max", "pow2", "oracle") or (kv_budget is not None and kv_budget < 1):
+            raise ValueError(f"reserve {reserve!r} must be max, pow2 or oracle, and kv_budget {kv_budget} at least 1")
+        self.kv_budget, self.reserve, self.reserved = kv_budget, reserve, 0
+
+    def reservation(self, r):
+        need = r.num_prompt + r.max_new_tokens
+        return min(self.context, {"max": self.context, "pow2": 1 << (need - 1).bit_length(), "oracle": need}[self.reserve])
+
+    def check(self, r):
+        super().check(r)
+        if self.kv_budget is not None and self.reservation(r) > self.kv_budget:
+            raise ValueError(f"a request of {r.num_prompt} + {r.max_new_tokens} tokens reserves {self.reservation(r)} "
+                             f"slots under --reserve {self.reserve}, but the KV budget is {self.kv_budget} slots")
+
+    def fits(self, r):
+        return self.kv_budget is None or self.reserved + self.reservation(r) <= self.kv_budget
 
     def schedule(self):
         c = self.model.config
-        while self.waiting and len(self.running) < self.max_batch:
+        while self.waiting and len(self.running) < self.max_batch and self.fits(self.waiting[0]):
             r = self.waiting.popleft()
+            self.reserved += self.reservation(r)
             empty = torch.empty(0, c.n_head, c.n_embd // c.n_head, device=self.device, dtype=self.model.lm_head.weight.dtype)
             r.k, r.v = [empty] * c.n_layer, [empty] * c.n_layer
             r.status = "prefilling"
@@ -174,13 +218,19 @@ class ContiguousEngine(Engine):
 
     def release(self, r):
         r.k = r.v = None
+        self.reserved -= self.reservation(r)
+
+    def kv_slots(self):
+        used = sum(r.num_computed for r in self.running)
+        return (used, used, 0) if self.kv_budget is None else (self.reserved, used, self.reserved - used)
 
 class Scheduler(Engine):
     """The paged engine. A step takes every decoding request's next token, then prefill chunks of
     admitted requests, then newly admitted ones, up to token_budget tokens in all."""
 
-    def __init__(self, model, num_blocks, block_size=16, token_budget=256, max_batch=64, prefix_cache=True, num_tokens=None):
-        super().__init__(model, max_batch, num_tokens)
+    def __init__(self, model, num_blocks, block_size=16, token_budget=256, max_batch=64, prefix_cache=True,
+                 num_tokens=None, clock=None):
+        super().__init__(model, max_batch, num_tokens, clock)
         if min(block_size, token_budget, num_blocks) < 1:
             raise ValueError(f"block_size {block_size}, token_budget {token_budget} and num_blocks {num_blocks} "
                              "must each be at least 1")
@@ -192,7 +242,7 @@ class Scheduler(Engine):
         self.block_size, self.token_budget, self.prefix_cache = block_size, token_budget, prefix_cache
         self.max_running = min(max_batch, token_budget)  # so every decoding request fits in a step
         self.watermark = max(1, num_blocks // 100)  # kept free at admission, for running requests to grow
-        self.prompt_tokens = self.cached_prompt_tokens = 0
+        self.admitted_tokens = self.cached_tokens = 0  # over every admission, readmissions included
 
     def blocks_for(self, num_tokens):
         return -(-num_tokens // self.block_size)
@@ -261,8 +311,8 @@ class Scheduler(Engine):
         r.num_computed = len(hits) * self.block_size
         if r.num_cached_prompt is None:
             r.num_cached_prompt = r.num_computed
-            self.prompt_tokens += r.num_prompt
-            self.cached_prompt_tokens += r.num_computed
+        self.admitted_tokens += len(r.tokens)
+        self.cached_tokens += r.num_computed
         r.status = "prefilling"
         self.running.append(r)
         return True
@@ -313,4 +363,6 @@ class Scheduler(Engine):
     def kv_slots(self):
         allocated = (self.allocator.num_blocks - self.allocator.num_free()) * self.block_size
         shared_again = self.allocator.num_extra_holds * self.block_size  # counted by each extra holder
-        return allocated, sum(r.num_computed for r in self.running) - shared_again
+        # admission allocates a whole prompt's blocks; those past its computed tokens are held ahead
+        ahead = sum(len(r.block_table) - self.blocks_for(r.num_computed) for r in self.running) * self.block_size
+        return allocated, sum(r.num_computed for r in self.running) - shared_again, ahead

@@ -171,7 +171,7 @@ def test_cli_json_holds_requests_in_order_and_metrics(tiny_ckpt, tmp_path):
         data = json.loads(out.read_text())
         assert [r["prompt"] for r in data["requests"]] == ["ROMEO:", "ROMEO:", "To be, or not", "To be, or not"]
         assert all(len(r["output_tokens"]) == 10 for r in data["requests"])
-        for key in ["output_tokens", "wall_s", "output_tok_s", "ttft_ms_mean", "ttft_ms_p90", "ms_per_token", "steps",
+        for key in ["output_tokens", "wall_s", "output_tok_s", "ttft_ms_mean", "ttft_ms_p90", "tpot_ms_mean", "steps",
                     "prefill_tokens"]:
             assert key in data["metrics"]
         if paged:

@@ -25,8 +25,8 @@ def test_outputs_identical_with_cache_on_off_and_on_the_baseline(model):
         off = Scheduler(model, 300, block_size, budget, max_batch=5, prefix_cache=False)
         assert run_engine(on, make_requests(prompts, news), check=True) == want
         assert run_engine(off, make_requests(prompts, news), check=True) == want
-        assert on.prefill_tokens < 0.5 * off.prefill_tokens and on.cached_prompt_tokens > 0
-        assert off.cached_prompt_tokens == 0
+        assert on.prefill_tokens < 0.5 * off.prefill_tokens and on.cached_tokens > 0
+        assert off.cached_tokens == 0
 
 
 def test_identical_blocks_behind_different_prefixes_never_hit(model):
@@ -92,4 +92,4 @@ def test_same_prefix_admitted_together_is_computed_once(model):
     assert got == want
     # the first computes all 25 tokens; the others wait for its six blocks, share them, and compute 1 token each
     assert engine.prefill_tokens == 25 + 1 + 1
-    assert engine.cached_prompt_tokens == 48
+    assert engine.cached_tokens == 48

@@ -63,7 +63,7 @@ def test_soak_5000_short_requests_through_a_tiny_pool_leak_nothing(model):
 
 @pytest.mark.parametrize("request_args, message", [
     (([], 5), "empty prompt"),
-    (([1] * 60, 5), "60 tokens + max_new_tokens 5 = 65 exceeds the model's context of 64"),
+    (([1] * 60, 6), "60 tokens + max_new_tokens 6 = 66 exceeds the model's context of 64"),
     (([1] * 10, 0), "max_new_tokens is 0"),
     (([1] * 10, 30), "needs 10 blocks of 4, but the pool has only 8"),
     (([1], 5, -1.0), "temperature -1.0 must be a finite number >= 0"),
@@ -85,3 +85,23 @@ def test_requests_that_can_never_run_are_refused_and_others_go_on(model, request
 def test_bad_engine_arguments_are_refused(model, kwargs, message):
     with pytest.raises(ValueError, match=message):
         Scheduler(model, **{"num_blocks": 8, **kwargs})
+
+
+def test_context_plus_one_is_allowed_because_the_last_token_is_never_fed_back(model):
+    prompt = list(range(1, 61))  # 60 + 5 = 65 tokens in a context of 64: positions 0..63 are enough
+    want = baseline(model, [prompt], [5])
+    engine = Scheduler(model, num_blocks=16, block_size=4)
+    assert run_engine(engine, make_requests([prompt], [5]), check=True) == want and len(want[0]) == 5
+    assert engine.allocator.num_free() == 16
+
+
+def test_a_request_is_refused_when_added_twice_or_after_it_finished(model):
+    engine = Scheduler(model, num_blocks=8, block_size=4)
+    r = Request([1, 2, 3], 2)
+    engine.add(r)
+    with pytest.raises(ValueError, match="added before .it is waiting.; a request runs once"):
+        engine.add(r)
+    run_engine(engine, [])
+    with pytest.raises(ValueError, match="added before .it is done."):
+        engine.add(r)
+    assert len(r.generated) == 2 and len(engine.finished) == 1

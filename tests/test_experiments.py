@@ -1,0 +1,120 @@
+"""KV budgets, reservation baselines and online arrivals (issue 10)."""
+import hashlib
+import json
+import random
+
+import pytest
+import torch
+from conftest import baseline, make_requests, run_engine, tiny_gpt
+from test_model import save_nanogpt_ckpt
+
+import generate
+from scheduler import ContiguousEngine, Scheduler
+
+
+class FakeClock:
+    """Time moves only when the engine works (a fixed cost per reading) or sleeps: no real waiting."""
+
+    def __init__(self):
+        self.t, self.slept = 0.0, 0.0
+
+    def now(self):
+        self.t += 0.001
+        return self.t
+
+    def sleep(self, seconds):
+        self.t += seconds
+        self.slept += seconds
+
+
+def workload(seed, n=16):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(300) for _ in range(rng.randint(1, 30))] for _ in range(n)]
+    return prompts, [rng.randint(1, 20) for _ in prompts]
+
+
+@pytest.mark.parametrize("reserve", ["max", "pow2", "oracle"])
+def test_no_reservation_policy_ever_holds_more_than_the_budget(model, reserve):
+    for seed in range(4):
+        prompts, news = workload(seed)
+        engine = ContiguousEngine(model, max_batch=8, kv_budget=100, reserve=reserve, clock=FakeClock())
+        rng = random.Random(seed)
+        arrivals = sorted(rng.uniform(0, 0.05) for _ in prompts)
+        requests = make_requests(prompts, news)
+        for r, at in zip(requests, arrivals):
+            engine.add(r, at)
+        peak = 0
+        while engine.arriving or engine.waiting or engine.running:
+            engine.step()
+            held = sum(engine.reservation(r) for r in engine.running)
+            assert held == engine.reserved <= 100
+            assert all(r.num_computed <= engine.reservation(r) for r in engine.running)
+            peak = max(peak, len(engine.running))
+        assert len(engine.finished) == len(prompts) and engine.reserved == 0
+        assert peak == 1 if reserve == "max" else peak > 1  # max reserves the context, 64 of 100: one at a time
+        assert [r.generated for r in requests] == baseline(model, prompts, news)
+
+
+def test_no_request_is_scheduled_before_its_arrival_and_the_idle_engine_sleeps(model):
+    prompts, news = workload(5, n=8)
+    arrivals = [0.0, 0.0, 0.3, 0.31, 2.0, 2.0, 7.5, 7.6]
+    clock = FakeClock()
+    engine = Scheduler(model, num_blocks=80, block_size=4, token_budget=16, max_batch=4, clock=clock)
+    scheduled, schedule = {}, engine.schedule
+
+    def record():
+        plan = schedule()
+        for r, _ in plan:
+            scheduled.setdefault(id(r), clock.t)
+        return plan
+    engine.schedule = record
+    requests = make_requests(prompts, news)
+    engine.run(requests, arrivals)
+    assert all(scheduled[id(r)] >= at for r, at in zip(requests, arrivals))
+    assert clock.slept > 4.0 and len(engine.stats) < 200  # it slept through the gaps instead of spinning
+    assert [r.generated for r in requests] == baseline(model, prompts, news)
+
+
+def test_rate_inf_and_no_budget_give_exactly_todays_outputs_and_step_counts(model):
+    """Pinned from the engines before arrivals and budgets existed (commit 9d884e9)."""
+    rng = random.Random(11)
+    prompts = [[rng.randrange(300) for _ in range(rng.randint(1, 30))] for _ in range(20)]
+    news = [rng.randint(1, 20) for _ in prompts]
+    for engine, steps in [(ContiguousEngine(model, 6), 38), (Scheduler(model, 60, 4, 16, 6), 45),
+                          (Scheduler(model, 60, 4, 16, 6, prefix_cache=False), 45)]:
+        requests = make_requests(prompts, news)
+        engine.run(requests)
+        digest = hashlib.md5(str([r.generated for r in requests]).encode()).hexdigest()[:10]
+        assert (len(engine.stats), digest) == (steps, "c9fcc87962")
+
+
+@pytest.fixture(scope="module")
+def ckpt64(tmp_path_factory):
+    path = tmp_path_factory.mktemp("exp") / "ckpt.pt"
+    save_nanogpt_ckpt(tiny_gpt(dtype=torch.float64), path)
+    return str(path)
+
+
+def test_compare_under_a_budget_runs_every_design_and_paged_still_matches_with_preemptions(ckpt64, tmp_path):
+    out = tmp_path / "b.json"
+    generate.main(["--ckpt", ckpt64, "--dtype", "float64", "--compare", "--kv-budget", "128", "--block-size", "4",
+                   "--num-requests", "24", "--prompt-len", "4:30", "--new-tokens", "10:30", "--temperature", "0.9",
+                   "--top-k", "40", "--json", str(out)])
+    runs = json.loads(out.read_text())["runs"]
+    assert list(runs) == ["contiguous_max", "contiguous_pow2", "contiguous_oracle", "paged", "paged_prefix"]
+    assert all(runs[k]["same_output_pct"] == 100 for k in list(runs)[1:])
+    assert runs["paged"]["preemptions"] > 0 and runs["paged"]["num_blocks"] == 32
+    for m in runs.values():
+        assert m["kv_budget_slots"] == 128 and m["kv_slots_allocated_peak"] <= 128 and m["request_rate"] == float("inf")
+        assert m["latency_ms_p50"] <= m["latency_ms_p90"] <= m["latency_ms_p99"] and m["normalized_latency_ms"] > 0
+    peaks = [runs[k]["running_peak"] for k in runs]
+    assert peaks[0] == 2 and peaks[0] <= peaks[1] <= peaks[2] <= peaks[3]  # max reserves 64 of 128: two at a time
+
+
+def test_sweep_writes_one_point_per_rate_and_a_plot(ckpt64, tmp_path):
+    out, png = tmp_path / "s.json", tmp_path / "s.png"
+    generate.main(["--ckpt", ckpt64, "--compare", "--kv-budget", "256", "--num-requests", "10", "--prompt-len", "4:20",
+                   "--new-tokens", "4:12", "--sweep-rates", "200,400", "--json", str(out), "--plot", str(png)])
+    sweep = json.loads(out.read_text())["sweep"]
+    assert [p["request_rate"] for p in sweep] == [200.0, 400.0] and png.stat().st_size > 10_000
+    assert all(set(p["runs"]) == {"contiguous_max", "contiguous_pow2", "contiguous_oracle", "paged", "paged_prefix"} for p in sweep)
