@@ -101,7 +101,7 @@ class StepBatch:
     brings now. One-token requests (decode) come first and attend together in one call, padded to the
     longest of them; each prefill chunk then attends alone, at its own size, so no chunk pays for another."""
 
-    def __init__(self, starts, lens, device):
+    def __init__(self, starts, lens, device, ready=None):
         R, N, S = len(lens), sum(lens), sum(n == 1 for n in lens)
         assert all(n == 1 for n in lens[:S]), "one-token requests must come first"
         lens_t, starts_t = torch.tensor(lens), torch.tensor(starts)
@@ -111,7 +111,8 @@ class StepBatch:
         self.kv_lens = starts_t + lens_t  # (R,) keys each request has after this step
         self.num_single = S
         self.positions = self.positions_cpu.to(device)  # (N,)
-        self.logit_rows = (ends - 1).to(device)  # (R,) each request's last new token
+        # the last new token of each request in `ready` (default: all), whose next token is due now
+        self.logit_rows = (ends - 1)[slice(None) if ready is None else ready].to(device)
         self.single_pos = (self.kv_lens[:S] - 1)[:, None].to(device)  # (S, 1)
         self.chunks = [(i, end - n, end, start) for i, (start, n, end) in enumerate(zip(starts, lens, ends.tolist()))][S:]
 
@@ -137,8 +138,8 @@ class PagedBatch(StepBatch):
 
     compiled = None  # torch.compile(gather_attend), built on first use on a GPU
 
-    def __init__(self, k_pool, v_pool, block_tables, starts, lens):
-        super().__init__(starts, lens, k_pool.device)
+    def __init__(self, k_pool, v_pool, block_tables, starts, lens, ready=None):
+        super().__init__(starts, lens, k_pool.device, ready)
         self.k_pool, self.v_pool, bs, S = k_pool, v_pool, k_pool.shape[2], self.num_single
         width = max(len(t) for t in block_tables)
         table = torch.tensor([t + [0] * (width - len(t)) for t in block_tables])  # (R, W)
