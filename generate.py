@@ -17,9 +17,8 @@ import time
 import numpy as np
 import torch
 
-from model import load_checkpoint
 from scheduler import ContiguousEngine, Request, Scheduler
-from train_tiny import HelpFormatter, get_tokenizer, shakespeare, train
+from train_tiny import HelpFormatter, get_tokenizer, load_checkpoint, shakespeare, train
 
 LABELS = {"contiguous": "contiguous", "contiguous_max": "contiguous, reserve max", "paged": "paged",
           "contiguous_pow2": "contiguous, reserve pow2", "contiguous_oracle": "contiguous, reserve oracle",

@@ -105,33 +105,3 @@ class GPT(nn.Module):
         if targets is None:
             return logits, None
         return logits, F.cross_entropy(logits.flatten(0, -2), targets.reshape(-1), ignore_index=-1)
-
-def load_checkpoint(path, device="cpu"):
-    """A nanoGPT ckpt.pt -> GPT in eval mode. Raises ValueError with a one-line reason."""
-    try:
-        ckpt = torch.load(path, map_location=device, weights_only=True)
-    except FileNotFoundError:
-        raise ValueError(f"no checkpoint at {path}") from None
-    except Exception as e:
-        raise ValueError(f"cannot read checkpoint {path}: not a PyTorch checkpoint ({one_line(e)})") from None
-    try:
-        if not isinstance(ckpt, dict) or not {"model", "model_args"} <= set(ckpt):
-            raise ValueError("it holds no 'model' and 'model_args', as nanoGPT's ckpt.pt does")
-        missing = [k for k in GPTConfig.__annotations__ if k not in ckpt["model_args"] and k != "dropout"]
-        if missing:  # GPTConfig's defaults would silently build another model
-            raise ValueError(f"its model_args lack {', '.join(missing)}")
-        config = GPTConfig(**{k: v for k, v in ckpt["model_args"].items() if k in GPTConfig.__annotations__})
-        if config.n_embd % config.n_head:
-            raise ValueError(f"model_args n_embd {config.n_embd} is not a multiple of n_head {config.n_head}")
-        state = {k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()}
-        # nanoGPT without flash attention saved its causal mask as a buffer; ours needs none
-        state = {k: v for k, v in state.items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
-        model = GPT(config)
-        model.load_state_dict(state)
-    except Exception as e:
-        raise ValueError(f"cannot read checkpoint {path}: {one_line(e)}") from None
-    return model.to(device).eval()
-
-def one_line(e, limit=400):  # load_state_dict's message spans lines; keep the key and shapes it names
-    text = " ".join(str(e).split()) or type(e).__name__
-    return text if len(text) <= limit else text[:limit] + "..."

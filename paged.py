@@ -114,7 +114,8 @@ class StepBatch:
         # the last new token of each request in `ready` (default: all), whose next token is due now
         self.logit_rows = (ends - 1)[slice(None) if ready is None else ready].to(device)
         self.single_pos = (self.kv_lens[:S] - 1)[:, None].to(device)  # (S, 1)
-        self.chunks = [(i, end - n, end, start) for i, (start, n, end) in enumerate(zip(starts, lens, ends.tolist()))][S:]
+        self.spans = [(end - n, end) for n, end in zip(lens, ends.tolist())]  # each request's tokens in the step
+        self.chunks = [(i, *self.spans[i], starts[i]) for i in range(S, R)]
 
     def attend(self, layer, q, k, v):
         """q, k, v: (N, H, D) for the step's new tokens -> (N, H, D)."""

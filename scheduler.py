@@ -9,7 +9,6 @@ import math
 import time
 from array import array
 from collections import deque
-from itertools import chain
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -27,7 +26,6 @@ class Request:
         self.block_table = []  # physical block of each logical block
         self.num_computed = 0  # tokens whose K/V are in the cache
         self.block_hashes = []  # chained hash of each full block of tokens, computed once each
-        self.num_cached_prompt = None  # prompt tokens the prefix cache served at first admission
         self.arrival = self.first_token_at = self.done_at = None
 
     @property
@@ -124,7 +122,7 @@ class Engine:
             raise RuntimeError(f"no progress: {len(self.waiting)} waiting, {len(self.running)} running")
         plan.sort(key=lambda item: item[1] > 1)  # one-token requests first, as StepBatch wants
         start = self.clock.now()
-        new = chain.from_iterable(r.tokens[r.num_computed:r.num_computed + n] for r, n in plan)
+        new = itertools.chain.from_iterable(r.tokens[r.num_computed:r.num_computed + n] for r, n in plan)
         idx = torch.tensor(list(new), device=self.device)  # (N,)
         ready = [i for i, (r, n) in enumerate(plan) if r.num_computed + n == len(r.tokens)]  # next token due
         logits, _ = self.model(idx, cache=self.make_batch(plan, ready))  # (len(ready), V)
@@ -150,10 +148,6 @@ class Engine:
     def computed(self, r, n):  # hook: r's K/V just grew by n tokens
         pass
 
-    def kv_slots(self):  # slots (allocated, holding a token's K/V, allocated ahead for tokens to come)
-        used = sum(r.num_computed for r in self.running)
-        return used, used, 0
-
 class ContiguousBatch(StepBatch):
     """The baseline's cache seen by one forward: each request's K/V are its own tensors, grown by
     torch.cat every step; decode rows are padded side by side to attend in one call."""
@@ -161,11 +155,9 @@ class ContiguousBatch(StepBatch):
     def __init__(self, plan, device, ready=None):
         super().__init__([r.num_computed for r, _ in plan], [n for _, n in plan], device, ready)
         self.requests = [r for r, _ in plan]
-        ends = torch.tensor([n for _, n in plan]).cumsum(0).tolist()
-        self.spans = [(r, end - n, end) for (r, n), end in zip(plan, ends)]
 
     def store(self, layer, k, v):  # k, v: (N, H, D)
-        for r, a, b in self.spans:
+        for r, (a, b) in zip(self.requests, self.spans):
             r.k[layer] = torch.cat([r.k[layer], k[a:b]])
             r.v[layer] = torch.cat([r.v[layer], v[a:b]])
 
@@ -222,9 +214,10 @@ class ContiguousEngine(Engine):
         r.k = r.v = None
         self.reserved -= self.reservation(r)
 
-    def kv_slots(self):
+    def kv_slots(self):  # slots (allocated, holding a token's K/V, allocated ahead for tokens to come)
         used = sum(r.num_computed for r in self.running)
-        return (used, used, 0) if self.kv_budget is None else (self.reserved, used, self.reserved - used)
+        allocated = used if self.kv_budget is None else self.reserved  # unbudgeted, torch.cat holds just the tokens
+        return allocated, used, allocated - used
 
 class Scheduler(Engine):
     """The paged engine. A step takes every decoding request's next token, then prefill chunks of
@@ -311,8 +304,6 @@ class Scheduler(Engine):
             self.allocator.share(block)
         r.block_table = hits + self.allocator.allocate_n(new_blocks)
         r.num_computed = len(hits) * self.block_size
-        if r.num_cached_prompt is None:
-            r.num_cached_prompt = r.num_computed
         self.admitted_tokens += len(r.tokens)
         self.cached_tokens += r.num_computed
         r.status = "prefilling"

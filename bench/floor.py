@@ -18,10 +18,10 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from generate import workload  # noqa: E402
-from model import attend, load_checkpoint  # noqa: E402
+from model import attend  # noqa: E402
 from paged import StepBatch  # noqa: E402
 from scheduler import Request, Scheduler  # noqa: E402
-from train_tiny import get_tokenizer  # noqa: E402
+from train_tiny import get_tokenizer, load_checkpoint  # noqa: E402
 
 
 class FloorBatch(StepBatch):

@@ -21,9 +21,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from model import GPT, GPTConfig, load_checkpoint  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
 from scheduler import Request, Scheduler  # noqa: E402
-from train_tiny import get_tokenizer, shakespeare  # noqa: E402
+from train_tiny import get_tokenizer, load_checkpoint, shakespeare  # noqa: E402
 
 
 def make_models(path):

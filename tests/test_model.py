@@ -6,10 +6,10 @@ import torch
 from conftest import baseline, make_requests, run_engine, tiny_gpt
 
 import generate
-from model import GPT, GPTConfig, load_checkpoint
+from model import GPT, GPTConfig
 from paged import PagedBatch
 from scheduler import ContiguousBatch, ContiguousEngine, Request
-from train_tiny import get_tokenizer, shakespeare
+from train_tiny import get_tokenizer, load_checkpoint, shakespeare
 
 
 def incremental_logits(model, prompts, decode_steps, make_batch):

@@ -36,7 +36,7 @@ def test_identical_blocks_behind_different_prefixes_never_hit(model):
     run_engine(engine, [a])
     engine.add(b)
     engine.step()
-    assert b.num_cached_prompt == 0 and engine.prefill_tokens == 18  # b's second block was not served
+    assert engine.cached_tokens == 0 and engine.prefill_tokens == 18  # b's second block was not served
 
 
 def test_entirely_cached_prompt_still_computes_its_last_token(model):
@@ -46,7 +46,7 @@ def test_entirely_cached_prompt_still_computes_its_last_token(model):
     run_engine(engine, [first])
     computed_before = engine.prefill_tokens
     run_engine(engine, [again])
-    assert again.num_cached_prompt == 8  # two blocks served, the last block recomputed for its last token
+    assert engine.cached_tokens == 8  # two blocks served, the last block recomputed for its last token
     assert engine.prefill_tokens - computed_before == 4
     assert again.generated == first.generated
 

@@ -48,6 +48,8 @@ def test_pool_far_smaller_than_the_workload_preempts_and_still_matches(model):
         got = run_engine(engine, make_requests(prompts, news, 0.9, 40), check=True)
         assert got == want and engine.num_preemptions >= 10
         assert engine.allocator.num_free() == 15
+        # no two prompts share a block, so every hit is a preempted request readmitted onto its own cached blocks
+        assert (engine.cached_tokens > 0) == prefix_cache and engine.admitted_tokens > sum(map(len, prompts))
 
 
 def test_soak_5000_short_requests_through_a_tiny_pool_leak_nothing(model):

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Regenerate the figures and tables in docs/ that the README shows (about 10 minutes on 2 CPU cores).
+# The README's own example commands write to out/ instead, so trying them never touches tracked files.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+run() { name=$1; shift; echo "python generate.py $*" > "docs/$name.txt"; python generate.py "$@" >> "docs/$name.txt"; }
+run compare_mixed --compare --num-requests 128 --prompt-len 8:192 --new-tokens 8:64 --seed 1 \
+    --plot docs/compare_mixed.png --json docs/compare_mixed.json
+run compare_prefix --compare --num-requests 64 --shared-prefix 200 --prompt-len 201:224 --new-tokens 16:32 --seed 1 \
+    --plot docs/compare_prefix.png --json docs/compare_prefix.json
+run budget --compare --kv-budget 4096 --num-requests 256 --prompt-len 8:128 --new-tokens 8:128 --seed 1 \
+    --plot docs/budget.png --json docs/budget.json
+run sweep --compare --kv-budget 4096 --num-requests 100 --prompt-len 8:128 --new-tokens 8:128 --seed 1 \
+    --sweep-rates 5,10,20,40 --plot docs/sweep.png --json docs/sweep.json
+python bench/floor.py > docs/floor.txt
