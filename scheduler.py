@@ -223,7 +223,7 @@ class Scheduler(Engine):
     """The paged engine. A step takes every decoding request's next token, then prefill chunks of
     admitted requests, then newly admitted ones, up to token_budget tokens in all."""
 
-    def __init__(self, model, num_blocks, block_size=16, token_budget=256, max_batch=64, prefix_cache=True,
+    def __init__(self, model, num_blocks, block_size=16, token_budget=512, max_batch=64, prefix_cache=True,
                  num_tokens=None, clock=None):
         super().__init__(model, max_batch, num_tokens, clock)
         if min(block_size, token_budget, num_blocks) < 1:

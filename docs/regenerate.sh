@@ -10,6 +10,6 @@ run compare_prefix --compare --num-requests 64 --shared-prefix 200 --prompt-len 
     --plot docs/compare_prefix.png --json docs/compare_prefix.json
 run budget --compare --kv-budget 4096 --num-requests 256 --prompt-len 8:128 --new-tokens 8:128 --seed 1 \
     --plot docs/budget.png --json docs/budget.json
-run sweep --compare --kv-budget 4096 --num-requests 100 --prompt-len 8:128 --new-tokens 8:128 --seed 1 \
-    --sweep-rates 5,10,20,40 --plot docs/sweep.png --json docs/sweep.json
+run sweep --compare --kv-budget 4096 --num-requests 150 --prompt-len 8:128 --new-tokens 8:128 --seed 1 \
+    --sweep-rates 10,15,20,30,40,60 --plot docs/sweep.png --json docs/sweep.json
 python bench/floor.py > docs/floor.txt

@@ -167,7 +167,7 @@ def test_plain_run_prints_completions_and_one_summary_line_and_help_shows_defaul
     with pytest.raises(SystemExit):
         generate.main(["--help"])
     help_text = capsys.readouterr().out
-    assert "(default: 0.8)" in help_text and "(default: 256)" in help_text and "(default: inf)" in help_text
+    assert "(default: 0.8)" in help_text and "(default: 512)" in help_text and "(default: inf)" in help_text
 
 
 def test_compare_serves_the_users_own_prompts(ckpt, tmp_path):
