@@ -36,7 +36,7 @@ def sample(logits, requests):
     """logits (R, V) -> R token ids. Greedy rows (temperature 0) take the argmax and nothing more; the
     others sample with nanoGPT's temperature and top-k, drawing among the top-k candidates only. Each
     request draws from its own generator, so its tokens never depend on its batch."""
-    # NOTE: on a CPU, torch's argmax over a (64, 50257) slice took 3-4 ms and numpy's 0.8 ms (torch 2.13)
+    # NOTE: on a CPU, torch's argmax over (64, 50304) logits took 4 ms and numpy's 0.9 ms (torch 2.13)
     tokens = torch.from_numpy(logits.numpy().argmax(-1)) if logits.device.type == "cpu" and logits.dtype != torch.bfloat16 \
         else logits.argmax(-1)
     hot = [i for i, r in enumerate(requests) if r.temperature > 0]
@@ -126,7 +126,8 @@ class Engine:
         idx = torch.tensor(list(new), device=self.device)  # (N,)
         ready = [i for i, (r, n) in enumerate(plan) if r.num_computed + n == len(r.tokens)]  # next token due
         logits, _ = self.model(idx, cache=self.make_batch(plan, ready))  # (len(ready), V)
-        new_tokens = sample(logits[:, :self.num_tokens], [plan[i][0] for i in ready]) if ready else []
+        logits[:, self.num_tokens:] = float("-inf")  # in place: argmax over a slice ran 4x slower (numpy)
+        new_tokens = sample(logits, [plan[i][0] for i in ready]) if ready else []
         now = self.clock.now()
         for r, n in plan:
             self.prefill_tokens += n if r.status == "prefilling" else 0
