@@ -4,7 +4,7 @@ experiments that compare them on one seeded workload.
     python generate.py --paged                       # trains out/ckpt.pt first if it is missing
     python generate.py --paged --prompt "ROMEO:" --num-samples 4
     python generate.py --compare --num-requests 128 --prompt-len 8:192 --new-tokens 8:64 --plot out/mixed.png
-    python generate.py --compare --kv-budget 4096 --num-requests 200 --sweep-rates 2,4,8 --plot out/sweep.png
+    python generate.py --compare --kv-budget 4096 --num-requests 150 --sweep-rates 10,20,40 --plot out/sweep.png
 """
 import argparse
 import json
@@ -43,11 +43,11 @@ def metrics(engine, wall_s, rate, kv_budget):
     out = sum(len(r.generated) for r in reqs)
     ttft = [(r.first_token_at - r.arrival) * 1000 for r in reqs]
     latency = [(r.done_at - r.arrival) * 1000 for r in reqs]  # end to end, from arrival to the last token
+    tpot = [(r.done_at - r.first_token_at) * 1000 / (len(r.generated) - 1) for r in reqs if len(r.generated) > 1]
     peak = max(stats, key=lambda s: s["allocated"])
     m = dict(output_tokens=out, wall_s=wall_s, output_tok_s=out / wall_s, ttft_ms_mean=mean(ttft),
              ttft_ms_p90=percentile(ttft, 90), ttft_ms_p99=percentile(ttft, 99),
-             tpot_ms_mean=mean((r.done_at - r.first_token_at) * 1000 / (len(r.generated) - 1)  # None if no request
-                               for r in reqs if len(r.generated) > 1),  # made a second token: not applicable
+             tpot_ms_mean=mean(tpot),  # None (not applicable) when no request made a second token
              latency_ms_mean=mean(latency), latency_ms_p50=percentile(latency, 50), latency_ms_p90=percentile(latency, 90),
              latency_ms_p99=percentile(latency, 99), normalized_latency_ms=mean(t / len(r.generated) for t, r in zip(latency, reqs)),
              request_rate=rate, steps=len(stats), prefill_tokens=engine.prefill_tokens, preemptions=engine.num_preemptions,
