@@ -334,4 +334,7 @@ def main(argv=None):
         print(f"plot written to {args.plot}")
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # during loading or training; once serving, main keeps what finished
+        sys.exit("interrupted before any request was served")
