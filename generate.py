@@ -12,7 +12,6 @@ import math
 import os
 import random
 import sys
-import time
 
 import numpy as np
 import torch

@@ -134,8 +134,8 @@ class Engine:
             r.num_computed += n
             self.computed(r, n)
         allocated, used, ahead = self.kv_slots()
-        self.stats.append(dict(time=now, seconds=now - start, running=len(self.running), allocated=allocated,
-                               used=used, ahead=ahead, context=sum(r.num_computed for r, _ in plan)))
+        self.stats.append(dict(seconds=now - start, running=len(self.running), allocated=allocated, used=used,
+                               ahead=ahead, context=sum(r.num_computed for r, _ in plan)))
         for i, token in zip(ready, new_tokens):
             r = plan[i][0]
             r.tokens.append(token)

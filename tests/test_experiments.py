@@ -5,7 +5,7 @@ import random
 
 import pytest
 import torch
-from conftest import baseline, make_requests, run_engine, tiny_gpt
+from conftest import baseline, make_requests, tiny_gpt
 from test_model import save_nanogpt_ckpt
 
 import generate
