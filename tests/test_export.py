@@ -1,0 +1,76 @@
+"""Export to the Hugging Face GPT-2 format: transformers loads it and generates our tokens (issue 19)."""
+import os
+
+import pytest
+import torch
+from conftest import make_requests, run_engine, tiny_gpt
+from test_model import save_nanogpt_ckpt
+
+import generate
+from model import GPT, GPTConfig
+from scheduler import Scheduler
+from train_tiny import get_tokenizer, load_checkpoint, shakespeare
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # everything loads from the exported folder; nothing may be fetched
+transformers = pytest.importorskip("transformers")
+
+
+def export(tmp_path, model):
+    save_nanogpt_ckpt(model, tmp_path / "ckpt.pt")
+    out = tmp_path / "hf"
+    generate.main(["--ckpt", str(tmp_path / "ckpt.pt"), "--export-hf", str(out)])
+    return load_checkpoint(tmp_path / "ckpt.pt"), out
+
+
+@pytest.mark.parametrize("vocab_size, bias", [(50304, True), (300, False)])
+def test_exported_model_loads_in_transformers_with_our_logits_and_greedy_tokens(tmp_path, vocab_size, bias):
+    """50,304: nanoGPT's padded GPT-2 vocabulary, trimmed to 50,257 on export; bias=False: zero biases."""
+    torch.manual_seed(1)
+    model = GPT(GPTConfig(block_size=64, vocab_size=vocab_size, n_layer=2, n_head=2, n_embd=32, bias=bias)).eval()
+    ours, out = export(tmp_path, model)
+    hf, info = transformers.GPT2LMHeadModel.from_pretrained(out, output_loading_info=True)
+    assert all(not keys for keys in info.values()), f"missing, unexpected or mismatched weights: {info}"
+    num_tokens = get_tokenizer(vocab_size).n_vocab
+    assert hf.config.vocab_size == num_tokens and hf.lm_head.weight.data_ptr() == hf.transformer.wte.weight.data_ptr()
+
+    idx = torch.randint(0, num_tokens, (3, 40))
+    with torch.no_grad():
+        want = ours(idx)[0][..., :num_tokens]
+        got = hf.eval()(idx).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # fp32 rounding: only the op order differs
+
+    prompts = [idx[i, :n].tolist() for i, n in enumerate([5, 17, 30])]
+    news = [20, 12, 30]
+    engine = Scheduler(ours.to(torch.float64), 64, block_size=4, num_tokens=num_tokens)
+    greedy = run_engine(engine, make_requests(prompts, news))
+    hf = hf.to(torch.float64)
+    hf.generation_config.eos_token_id = None  # ours generates exactly the asked-for count, end-of-text or not
+    for prompt, n, tokens in zip(prompts, news, greedy):
+        sequence = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                               max_new_tokens=n, do_sample=False, pad_token_id=0)
+        assert sequence[0, len(prompt):].tolist() == tokens
+
+
+@pytest.mark.parametrize("vocab_size", [50304, 2048])
+def test_exported_tokenizer_encodes_and_decodes_as_ours(tmp_path, vocab_size):
+    _, out = export(tmp_path, tiny_gpt(vocab_size=vocab_size, dtype=torch.float32))
+    theirs, ours = transformers.AutoTokenizer.from_pretrained(out), get_tokenizer(vocab_size)
+    text = shakespeare()[1][:5000]
+    ids = ours.encode_ordinary(text)
+    assert theirs.encode(text) == ids and theirs.decode(ids) == text
+    assert theirs.eos_token_id == ours.eot_token == len(theirs) - 1
+
+
+def test_export_errors_are_one_line(tmp_path):
+    save_nanogpt_ckpt(tiny_gpt(dtype=torch.float32), tmp_path / "ckpt.pt")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    (tmp_path / "file").write_text("a file")
+    for ckpt, out, message in [("none.pt", "new", "no checkpoint at"),
+                               ("ckpt.pt", "full", "exists and is not an empty folder"),
+                               ("ckpt.pt", "file", "exists and is not an empty folder"),
+                               ("ckpt.pt", "no/such/parent", "does not exist or is not writable")]:
+        with pytest.raises(SystemExit) as e:
+            generate.main(["--ckpt", str(tmp_path / ckpt), "--export-hf", str(tmp_path / out)])
+        assert e.value.code.startswith("error: ") and "\n" not in e.value.code and message in e.value.code
+    assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
