@@ -88,7 +88,7 @@ def gather_kv(pool, block_table):
 def gather_attend(q, k_pool, v_pool, block_table, kv_len):
     """Decode attention straight from the pool: q (B, H, D), block_table (B, W), kv_len (B,) -> (B, H, D).
     Products and sums, not matmuls, so torch.compile fuses the block gather into the score and value
-    reductions instead of materializing a gathered copy. Padded rows (kv_len 1, block 0) are harmless."""
+    reductions instead of materializing a gathered copy. Padded rows (kv_len 1) are harmless."""
     B, H, D = q.shape
     scores = (q[:, None, None].float() * k_pool[block_table].float()).sum(-1) * D ** -0.5  # (B, W, bs, H)
     scores = scores.view(B, -1, H)  # (B, L, H)
@@ -98,24 +98,37 @@ def gather_attend(q, k_pool, v_pool, block_table, kv_len):
 
 class StepBatch:
     """Where one forward's new tokens sit. starts[i]: tokens request i has cached; lens[i]: tokens it
-    brings now. One-token requests (decode) come first and attend together in one call, padded to the
-    longest of them; each prefill chunk then attends alone, at its own size, so no chunk pays for another."""
+    brings now; rows[i]: its row in the engine's per-request tensors. One-token requests (decode) come
+    first and attend together in one call, padded to the longest of them; each prefill chunk then attends
+    alone, at its own size, so no chunk pays for another. Everything is built on the host with tensor ops,
+    then copied to the device at once by stage()."""
 
-    def __init__(self, starts, lens, device, ready=None):
+    def __init__(self, tokens, rows, starts, lens, ready):
         R, N, S = len(lens), sum(lens), sum(n == 1 for n in lens)
         assert all(n == 1 for n in lens[:S]), "one-token requests must come first"
-        lens_t, starts_t = torch.tensor(lens), torch.tensor(starts)
+        lens_t, starts_t, rows_t = torch.tensor(lens), torch.tensor(starts), torch.tensor(rows)
         ends = lens_t.cumsum(0)
         self.row = torch.repeat_interleave(torch.arange(R), lens_t)  # (N,) request of each token
         self.positions_cpu = starts_t[self.row] + torch.arange(N) - (ends - lens_t)[self.row]  # (N,)
         self.kv_lens = starts_t + lens_t  # (R,) keys each request has after this step
         self.num_single = S
-        self.positions = self.positions_cpu.to(device)  # (N,)
-        # the last new token of each request in `ready` (default: all), whose next token is due now
-        self.logit_rows = (ends - 1)[slice(None) if ready is None else ready].to(device)
-        self.single_pos = (self.kv_lens[:S] - 1)[:, None].to(device)  # (S, 1)
         self.spans = [(end - n, end) for n, end in zip(lens, ends.tolist())]  # each request's tokens in the step
         self.chunks = [(i, *self.spans[i], starts[i]) for i in range(S, R)]
+        ready = torch.tensor(ready, dtype=torch.long)  # requests whose next token is due now
+        # logit_rows: the last new token of each ready request; sample_rows, sample_pos: its row and the
+        # position of the token it samples next
+        self.host = dict(idx=tokens, positions=self.positions_cpu, logit_rows=(ends - 1)[ready],
+                         sample_rows=rows_t[ready], sample_pos=self.kv_lens[ready], single_pos=self.kv_lens[:S, None] - 1)
+
+    def stage(self, device):
+        """One host-to-device copy for every small tensor of the step, each then a view of it."""
+        parts = list(self.host.items())
+        flat = torch.cat([t.flatten().long() for _, t in parts])
+        if device.type == "cuda":
+            flat = flat.pin_memory()  # from pinned memory the copy runs async; the step's end waits for it
+        flat = flat.to(device, non_blocking=True)
+        for (name, t), piece in zip(parts, flat.split([t.numel() for _, t in parts])):
+            setattr(self, name, piece.view(t.shape))
 
     def attend(self, layer, q, k, v):
         """q, k, v: (N, H, D) for the step's new tokens -> (N, H, D)."""
@@ -131,42 +144,48 @@ class StepBatch:
                 out.append(attend(q[None, a:b], keys, values, self.positions[None, a:b])[0])
         return torch.cat(out) if len(out) > 1 else out[0]
 
-def bucket(n):  # a power of two, so compiled shapes repeat across steps instead of recompiling
-    return 1 << (max(n, 1) - 1).bit_length()
+def bucket(n):
+    """1, 2, 4, 8, then multiples of 16: padded decode shapes repeat across steps, so few graphs compile."""
+    return 1 << (max(n, 1) - 1).bit_length() if n <= 8 else -(-n // 16) * 16
 
 class PagedBatch(StepBatch):
-    """The pool seen by one forward: each new token's slot, and the block tables to read through."""
+    """The pool seen by one forward: each new token's slot, and the block tables to read through, cut
+    from the engine's persistent block_tables (max_batch, max blocks per request) by the step's rows."""
 
     compiled = None  # torch.compile(gather_attend), built on first use on a GPU
 
-    def __init__(self, k_pool, v_pool, block_tables, starts, lens, ready=None):
-        super().__init__(starts, lens, k_pool.device, ready)
+    def __init__(self, k_pool, v_pool, block_tables, tokens, rows, starts, lens, ready, pad=None):
+        super().__init__(tokens, rows, starts, lens, ready)
         self.k_pool, self.v_pool, bs, S = k_pool, v_pool, k_pool.shape[2], self.num_single
-        width = max(len(t) for t in block_tables)
-        table = torch.tensor([t + [0] * (width - len(t)) for t in block_tables])  # (R, W)
-        self.slots = (table[self.row, self.positions_cpu // bs] * bs + self.positions_cpu % bs).to(k_pool.device)
-        self.blocks_read = ((self.kv_lens + bs - 1) // bs).tolist()
-        single_table, single_len = table[:S, :max(self.blocks_read[:S], default=1)], self.kv_lens[:S]  # (S, W1), (S,)
-        self.compile = k_pool.is_cuda
-        if self.compile:  # pad rows and width to buckets; padded rows read block 0 with length 1
+        self.blocks_read = (self.kv_lens + bs - 1) // bs  # (R,)
+        table = block_tables[torch.tensor(rows), :int(self.blocks_read.max())].long()  # (R, W)
+        slots = table[self.row, self.positions_cpu // bs] * bs + self.positions_cpu % bs  # (N,)
+        single_table, single_len = table[:S, :int(self.blocks_read[:S].max()) if S else 0], self.kv_lens[:S]  # (S, W1), (S,)
+        # NOTE: the pool's last block is never handed out; padded decode rows read it with length 1
+        self.pad = k_pool.is_cuda if pad is None else pad
+        if self.pad and S:
             B, W = bucket(S), bucket(single_table.shape[1])
-            single_table = F.pad(single_table, (0, W - single_table.shape[1], 0, B - S))
+            single_table = F.pad(single_table, (0, W - single_table.shape[1], 0, B - S), value=k_pool.shape[1] - 1)
             single_len = F.pad(single_len, (0, B - S), value=1)
-        self.single_table, self.single_len = single_table.to(k_pool.device), single_len.to(k_pool.device)
-        self.table = table.to(k_pool.device)
+        self.host.update(slots=slots, single_table=single_table, single_len=single_len, table=table)
+        self.stage(k_pool.device)
+        self.blocks_read = self.blocks_read.tolist()
 
     def store(self, layer, k, v):
         write_kv(self.k_pool[layer], self.v_pool[layer], self.slots, k, v)
 
     def attend_single(self, layer, q):  # q: (S, H, D)
         k_pool, v_pool = self.k_pool[layer], self.v_pool[layer]
-        if not self.compile:  # eager on a CPU: copy whole blocks out, then SDPA; no per-element gather
-            k, v = gather_kv(k_pool, self.single_table), gather_kv(v_pool, self.single_table)  # (S, L, H, D)
-            return attend(q[:, None], k, v, self.single_pos)[:, 0]
+        B = self.single_table.shape[0]
+        padded = q if B == q.shape[0] else F.pad(q, (0, 0, 0, 0, 0, B - q.shape[0]))  # (B, H, D)
+        if not self.k_pool.is_cuda:  # eager on a CPU: copy whole blocks out, then SDPA; no per-element gather
+            k, v = gather_kv(k_pool, self.single_table), gather_kv(v_pool, self.single_table)  # (B, L, H, D)
+            return attend(padded[:, None], k, v, self.single_len[:, None] - 1)[:q.shape[0], 0]
         if PagedBatch.compiled is None:
-            torch._dynamo.config.recompile_limit = 64  # one graph per (batch, width) bucket pair, ~35 in all
+            config = torch._dynamo.config  # one graph per (batch, width) bucket pair; the name changed in torch 2.7
+            name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+            setattr(config, name, max(getattr(config, name), 64))
             PagedBatch.compiled = torch.compile(gather_attend, dynamic=False)
-        padded = F.pad(q, (0, 0, 0, 0, 0, self.single_table.shape[0] - q.shape[0]))
         return PagedBatch.compiled(padded, k_pool, v_pool, self.single_table, self.single_len)[:q.shape[0]]
 
     def cached_kv(self, layer, i):  # request i's K/V: (1, L, H, D) each

@@ -20,9 +20,9 @@ class Request:
     def __init__(self, prompt, max_new_tokens, temperature=0.0, top_k=None, seed=0):
         self.tokens = list(prompt)  # the prompt, then each generated token
         self.num_prompt, self.max_new_tokens = len(prompt), max_new_tokens
-        self.temperature, self.top_k = temperature, top_k
-        self.generator = torch.Generator().manual_seed(seed)
+        self.temperature, self.top_k, self.seed = temperature, top_k, seed
         self.status = "waiting"  # -> prefilling -> decoding -> done; a preempted request waits again
+        self.row = None  # while running: its row in the engine's per-request tensors
         self.block_table = []  # physical block of each logical block
         self.num_computed = 0  # tokens whose K/V are in the cache
         self.block_hashes = []  # chained hash of each full block of tokens, computed once each
@@ -32,29 +32,48 @@ class Request:
     def generated(self):
         return self.tokens[self.num_prompt:]
 
-def sample(logits, requests):
-    """logits (R, V) -> R token ids. Greedy rows (temperature 0) take the argmax and nothing more; the
-    others sample with nanoGPT's temperature and top-k, drawing among the top-k candidates only. Each
-    request draws from its own generator, so its tokens never depend on its batch."""
+def mix32(x):
+    """A 32-bit integer hash (hash-prospector's lowbias32, second constants) in int64 tensor ops: both
+    multipliers are below 2**31, so no product of a 32-bit x overflows, on any device."""
+    x = ((x ^ (x >> 16)) * 0x21F0AAAD) & 0xFFFFFFFF
+    x = ((x ^ (x >> 15)) * 0x735A2D97) & 0xFFFFFFFF
+    return x ^ (x >> 15)
+
+def uniform(seed, position):
+    """seed, position: (R,) int64 -> (R,) floats in [0, 1), a hash of (seed, position). There is no
+    generator state to carry, capture or copy: a request's draw at position p is the same whatever else
+    runs in its batch and whatever ran before."""
+    x = mix32((mix32(seed & 0xFFFFFFFF) + position) & 0xFFFFFFFF)
+    return (x >> 8).float() / (1 << 24)  # 24 bits, each value exact in float32
+
+def argmax(logits):  # (R, V) -> (R,)
     # NOTE: on a CPU, torch's argmax over (64, 50304) logits took 4 ms and numpy's 0.9 ms (torch 2.13)
-    tokens = torch.from_numpy(logits.numpy().argmax(-1)) if logits.device.type == "cpu" and logits.dtype != torch.bfloat16 \
-        else logits.argmax(-1)
-    hot = [i for i, r in enumerate(requests) if r.temperature > 0]
-    if hot:
-        V, rows = logits.size(-1), torch.tensor(hot, device=logits.device)
-        top_k = [min(requests[i].top_k or V, V) for i in hot]
-        candidates, ids = logits[rows].float(), None  # (h, V): every id, in vocabulary order
-        if min(top_k) < V:  # (h, k): the k best, sorted, so a row's own top_k is a prefix
-            candidates, ids = candidates.topk(max(top_k))
-            beyond = torch.arange(candidates.size(1), device=logits.device) >= torch.tensor(top_k, device=logits.device)[:, None]
-            candidates = candidates.masked_fill(beyond, float("-inf"))
-        temperature = torch.tensor([requests[i].temperature for i in hot], device=logits.device)[:, None]
-        # the max is subtracted before dividing, so a tiny temperature tends to greedy instead of overflowing
-        cdf = ((candidates - candidates.max(-1, keepdim=True).values) / temperature).softmax(-1).cumsum(-1)
-        u = torch.tensor([torch.rand(1, generator=requests[i].generator).item() for i in hot], device=logits.device)
-        pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp(max=cdf.size(1) - 1)  # (h, 1)
-        tokens[rows] = (pick if ids is None else ids.gather(1, pick))[:, 0]
-    return tokens.tolist()  # one host transfer
+    if logits.device.type == "cpu" and logits.dtype != torch.bfloat16:
+        return torch.from_numpy(logits.numpy().argmax(-1))
+    return logits.argmax(-1)
+
+def invert_cdf(candidates, temperature, u):
+    """candidates (R, C), temperature, u: (R,) -> (R, 1): the column whose softmax CDF first passes u."""
+    # the max is subtracted before dividing, so a tiny temperature tends to greedy instead of overflowing
+    cdf = ((candidates - candidates.max(-1, keepdim=True).values) / temperature[:, None]).softmax(-1).cumsum(-1)
+    return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp(max=cdf.size(1) - 1)
+
+def sample(logits, temperature, top_k, seed, position, max_top_k=0, uncut=True):
+    """logits (R, V); temperature, top_k (0: keep every id), seed, position: (R,) -> (R,) token ids, on the
+    logits' device, with no host sync. Greedy rows (temperature 0) take the argmax; the others sample with
+    nanoGPT's temperature and top-k at uniform(seed, position). A row's candidates are its own top_k best,
+    sorted, or every id in vocabulary order, whatever its batch holds. max_top_k: the largest top_k of a
+    sampled row, 0 if none cuts; uncut: whether some sampled row keeps every id."""
+    hot = temperature > 0
+    temperature, u = torch.where(hot, temperature, 1.0), uniform(seed, position)
+    tokens = argmax(logits)
+    if uncut:
+        tokens = torch.where(hot & (top_k == 0), invert_cdf(logits.float(), temperature, u)[:, 0], tokens)
+    if max_top_k:  # (R, K): the K best, sorted, so a row's own top_k is a prefix
+        values, ids = logits.float().topk(max_top_k)
+        values = values.masked_fill(torch.arange(max_top_k, device=logits.device) >= top_k[:, None], float("-inf"))
+        tokens = torch.where(hot & (top_k > 0), ids.gather(1, invert_cdf(values, temperature, u))[:, 0], tokens)
+    return tokens
 
 class Clock:
     """Wall time. The engine only asks now() and sleep(), so a test can swap in a fake clock."""
@@ -76,6 +95,10 @@ class Engine:
         self.arriving = []  # a heap of (arrival, order, request) not yet arrived
         self.order = itertools.count()
         self.waiting, self.running, self.finished = deque(), [], []
+        # each running request holds a row of these, so a step reads its sampling settings without copying them
+        self.free_rows = list(range(max_batch - 1, -1, -1))
+        self.temperature = torch.zeros(max_batch, device=self.device)
+        self.top_k, self.seed = (torch.zeros(max_batch, dtype=torch.long, device=self.device) for _ in range(2))
         self.stats = []  # one record per step, for metrics and plots
         self.prefill_tokens = self.num_preemptions = 0
 
@@ -107,6 +130,19 @@ class Engine:
             self.step()
         return requests
 
+    def start(self, r):
+        r.row = self.free_rows.pop()
+        top_k = r.top_k if r.top_k and r.top_k < self.num_tokens else 0  # 0: every id is a candidate
+        self.temperature[r.row], self.top_k[r.row], self.seed[r.row] = r.temperature, top_k, r.seed
+        r.status = "prefilling"
+        self.running.append(r)
+
+    def stop(self, r, status):  # done, or preempted
+        self.running.remove(r)
+        self.free_rows.append(r.row)
+        self.release(r)
+        r.status, r.row = status, None
+
     def take_arrivals(self):
         while self.arriving and self.arriving[0][0] <= self.clock.now():
             self.waiting.append(heapq.heappop(self.arriving)[2])
@@ -123,11 +159,16 @@ class Engine:
         plan.sort(key=lambda item: item[1] > 1)  # one-token requests first, as StepBatch wants
         start = self.clock.now()
         new = itertools.chain.from_iterable(r.tokens[r.num_computed:r.num_computed + n] for r, n in plan)
-        idx = torch.tensor(list(new), device=self.device)  # (N,)
         ready = [i for i, (r, n) in enumerate(plan) if r.num_computed + n == len(r.tokens)]  # next token due
-        logits, _ = self.model(idx, cache=self.make_batch(plan, ready))  # (len(ready), V)
+        batch = self.make_batch(plan, ready, torch.tensor(list(new)))
+        logits, _ = self.model(batch.idx, cache=batch)  # (len(ready), V)
         logits[:, self.num_tokens:] = float("-inf")  # in place: argmax over a slice ran 4x slower (numpy)
-        new_tokens = sample(logits, [plan[i][0] for i in ready]) if ready else []
+        hot = [plan[i][0].top_k or self.num_tokens for i in ready if plan[i][0].temperature > 0]
+        cuts = [k for k in hot if k < self.num_tokens]
+        rows = batch.sample_rows
+        new_tokens = sample(logits, self.temperature[rows], self.top_k[rows], self.seed[rows], batch.sample_pos,
+                            max(cuts, default=0), len(cuts) < len(hot))
+        new_tokens = new_tokens.tolist()  # the step's one device-to-host transfer
         now = self.clock.now()
         for r, n in plan:
             self.prefill_tokens += n if r.status == "prefilling" else 0
@@ -141,9 +182,8 @@ class Engine:
             r.tokens.append(token)
             r.status, r.first_token_at = "decoding", r.first_token_at or now
             if len(r.tokens) - r.num_prompt == r.max_new_tokens:
-                r.status, r.done_at = "done", now
-                self.running.remove(r)
-                self.release(r)
+                r.done_at = now
+                self.stop(r, "done")
                 self.finished.append(r)
 
     def computed(self, r, n):  # hook: r's K/V just grew by n tokens
@@ -153,9 +193,10 @@ class ContiguousBatch(StepBatch):
     """The baseline's cache seen by one forward: each request's K/V are its own tensors, grown by
     torch.cat every step; decode rows are padded side by side to attend in one call."""
 
-    def __init__(self, plan, device, ready=None):
-        super().__init__([r.num_computed for r, _ in plan], [n for _, n in plan], device, ready)
+    def __init__(self, plan, ready, tokens, device):
+        super().__init__(tokens, [r.row for r, _ in plan], [r.num_computed for r, _ in plan], [n for _, n in plan], ready)
         self.requests = [r for r, _ in plan]
+        self.stage(device)
 
     def store(self, layer, k, v):  # k, v: (N, H, D)
         for r, (a, b) in zip(self.requests, self.spans):
@@ -204,12 +245,11 @@ class ContiguousEngine(Engine):
             self.reserved += self.reservation(r)
             empty = torch.empty(0, c.n_head, c.n_embd // c.n_head, device=self.device, dtype=self.model.lm_head.weight.dtype)
             r.k, r.v = [empty] * c.n_layer, [empty] * c.n_layer
-            r.status = "prefilling"
-            self.running.append(r)
+            self.start(r)
         return [(r, len(r.tokens) - r.num_computed) for r in self.running]
 
-    def make_batch(self, plan, ready):
-        return ContiguousBatch(plan, self.device, ready)
+    def make_batch(self, plan, ready, tokens):
+        return ContiguousBatch(plan, ready, tokens, self.device)
 
     def release(self, r):
         r.k = r.v = None
@@ -231,7 +271,8 @@ class Scheduler(Engine):
             raise ValueError(f"block_size {block_size}, token_budget {token_budget} and num_blocks {num_blocks} "
                              "must each be at least 1")
         c = model.config  # the pool, allocated once; (layer, head)'s own is k_pool[layer, :, :, head]
-        shape = (c.n_layer, num_blocks, block_size, c.n_head, c.n_embd // c.n_head)
+        # NOTE: one block more than the allocator hands out: the last is padding's, to read and write harmlessly
+        shape = (c.n_layer, num_blocks + 1, block_size, c.n_head, c.n_embd // c.n_head)
         self.k_pool = torch.zeros(shape, device=self.device, dtype=model.lm_head.weight.dtype)
         self.v_pool = torch.zeros_like(self.k_pool)
         self.allocator = BlockAllocator(num_blocks)
@@ -239,6 +280,9 @@ class Scheduler(Engine):
         self.max_running = min(max_batch, token_budget)  # so every decoding request fits in a step
         self.watermark = max(1, num_blocks // 100)  # kept free at admission, for running requests to grow
         self.admitted_tokens = self.cached_tokens = 0  # over every admission, readmissions included
+        # each running request's block table in its row, updated as it grows: no step rebuilds one from a list
+        self.block_tables = torch.full((max_batch, self.blocks_for(self.context)), num_blocks, dtype=torch.int32,
+                                       pin_memory=self.k_pool.is_cuda)
 
     def blocks_for(self, num_tokens):
         return -(-num_tokens // self.block_size)
@@ -278,14 +322,14 @@ class Scheduler(Engine):
             if victim is r:
                 return False
         r.block_table.append(self.allocator.allocate_one())
+        self.block_tables[r.row, len(r.block_table) - 1] = r.block_table[-1]
         return True
 
     def preempt(self, r):
         """Free r's blocks (hashed ones stay cached) and requeue it first. It keeps its tokens and
         recomputes their K/V when readmitted."""
-        self.running.remove(r)
-        self.release(r)
-        r.status, r.num_computed = "waiting", 0
+        self.stop(r, "waiting")
+        r.num_computed = 0
         self.waiting.appendleft(r)
         self.num_preemptions += 1
 
@@ -307,8 +351,8 @@ class Scheduler(Engine):
         r.num_computed = len(hits) * self.block_size
         self.admitted_tokens += len(r.tokens)
         self.cached_tokens += r.num_computed
-        r.status = "prefilling"
-        self.running.append(r)
+        self.start(r)
+        self.block_tables[r.row, :len(r.block_table)] = torch.tensor(r.block_table, dtype=torch.int32)
         return True
 
     def block_tokens(self, r, k):
@@ -346,8 +390,8 @@ class Scheduler(Engine):
             for k in range((r.num_computed - n) // self.block_size, r.num_computed // self.block_size):
                 self.allocator.register(r.block_table[k], self.block_hash(r, k), self.block_tokens(r, k))
 
-    def make_batch(self, plan, ready):
-        return PagedBatch(self.k_pool, self.v_pool, [r.block_table for r, _ in plan],
+    def make_batch(self, plan, ready, tokens):
+        return PagedBatch(self.k_pool, self.v_pool, self.block_tables, tokens, [r.row for r, _ in plan],
                           [r.num_computed for r, _ in plan], [n for _, n in plan], ready)
 
     def release(self, r):

@@ -8,7 +8,7 @@ from conftest import baseline, make_requests, run_engine, tiny_gpt
 import generate
 from model import GPT, GPTConfig
 from paged import PagedBatch
-from scheduler import ContiguousBatch, ContiguousEngine, Request
+from scheduler import ContiguousBatch, ContiguousEngine, Request, sample, uniform
 from train_tiny import get_tokenizer, load_checkpoint, shakespeare
 
 
@@ -16,7 +16,8 @@ def incremental_logits(model, prompts, decode_steps, make_batch):
     """Prefill every prompt in one forward, then decode all together; returns each step's logits."""
     reqs = [Request(p, decode_steps + 1) for p in prompts]
     c = model.config
-    for r in reqs:
+    for i, r in enumerate(reqs):
+        r.row = i
         r.k = [torch.empty(0, c.n_head, c.n_embd // c.n_head, dtype=torch.float64)] * c.n_layer
         r.v = list(r.k)
     steps = []
@@ -24,7 +25,8 @@ def incremental_logits(model, prompts, decode_steps, make_batch):
         for _ in range(decode_steps + 1):
             plan = sorted([(r, len(r.tokens) - r.num_computed) for r in reqs], key=lambda item: item[1] > 1)
             idx = torch.tensor([t for r, n in plan for t in r.tokens[r.num_computed:]])
-            logits, _ = model(idx, cache=make_batch(plan))
+            batch = make_batch(plan, idx)
+            logits, _ = model(batch.idx, cache=batch)
             for (r, n), row in zip(plan, logits):
                 r.num_computed += n
                 r.tokens.append(int(row.argmax()))
@@ -33,18 +35,18 @@ def incremental_logits(model, prompts, decode_steps, make_batch):
     return reqs, steps
 
 
-@pytest.mark.parametrize("cache", ["contiguous", "paged"])
+@pytest.mark.parametrize("cache", ["contiguous", "paged", "paged, decode rows padded"])
 def test_cached_decode_equals_full_recompute(model, cache):
-    prompts = [[5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [42], [7, 7, 7]]
-    k_pool, v_pool = torch.zeros(2, 64, 3, 2, 16, dtype=torch.float64), torch.zeros(2, 64, 3, 2, 16, dtype=torch.float64)
-    tables = {}
+    prompts = [[5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [42], [7, 7, 7], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]]
+    k_pool, v_pool = torch.zeros(2, 65, 3, 2, 16, dtype=torch.float64), torch.zeros(2, 65, 3, 2, 16, dtype=torch.float64)
+    # scattered blocks: request i owns blocks i, i + 8, i + 16, ...; block 64 is padding's
+    block_tables = torch.tensor([[i + 8 * j for j in range(8)] for i in range(len(prompts))], dtype=torch.int32)
 
-    def paged_batch(plan):
-        for r, _ in plan:  # scattered blocks: request i owns blocks i, i + 8, i + 16, ...
-            tables.setdefault(id(r), [len(tables) + 8 * j for j in range(8)])
-        return PagedBatch(k_pool, v_pool, [tables[id(r)] for r, _ in plan], [r.num_computed for r, _ in plan], [n for _, n in plan])
+    def paged_batch(plan, idx):
+        rows, starts, lens = zip(*[(r.row, r.num_computed, n) for r, n in plan])
+        return PagedBatch(k_pool, v_pool, block_tables, idx, rows, starts, lens, list(range(len(plan))), pad="padded" in cache)
 
-    make_batch = paged_batch if cache == "paged" else (lambda plan: ContiguousBatch(plan, "cpu"))
+    make_batch = paged_batch if cache.startswith("paged") else (lambda plan, idx: ContiguousBatch(plan, list(range(len(plan))), idx, torch.device("cpu")))
     reqs, steps = incremental_logits(model, prompts, 6, make_batch)
     with torch.no_grad():
         for i, r in enumerate(reqs):
@@ -125,6 +127,29 @@ def test_seeded_sample_is_the_same_alone_and_in_a_batch(model, temperature, top_
         alone = run_engine(ContiguousEngine(model, 1), [make_requests(prompts, news, temperature, top_k)[i]])
         assert together[i] == alone[0]
     assert together != baseline(model, prompts, news)  # sampling really sampled: not the greedy output
+
+
+def test_sampler_draws_each_token_with_its_softmax_probability_and_top_k_cuts_the_tail():
+    n = 20000
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]]).expand(n, 5).contiguous()
+    position, seed, ones = torch.arange(n), torch.full((n,), 7), torch.ones(n)
+    for temperature, top_k in [(1.0, 0), (0.5, 0), (1.0, 3)]:
+        want = (logits[0, :top_k or 5] / temperature).softmax(-1)
+        got = sample(logits, ones * temperature, torch.full((n,), top_k), seed, position, top_k, top_k == 0)
+        freq = torch.bincount(got, minlength=5).double() / n
+        assert torch.all(freq[len(want):] == 0) and torch.allclose(freq[:len(want)], want.double(), atol=0.012), (freq, want)
+    alone = sample(logits, ones, torch.zeros(n, dtype=torch.long), seed, position)
+    assert torch.equal(alone, sample(logits, ones, torch.zeros(n, dtype=torch.long), seed, position))  # a pure function
+    assert not torch.equal(alone, sample(logits, ones, torch.zeros(n, dtype=torch.long), seed + 1, position))
+    # rows that keep every id, rows that cut, and greedy rows in one batch: each draws as it does alone
+    mixed_k, mixed_t = torch.tensor([0, 3, 0] * (n // 3)), torch.tensor([1.0, 1.0, 0.0] * (n // 3))
+    cut = sample(logits, ones, torch.full((n,), 3), seed, position, 3, False)
+    mixed = sample(logits[:len(mixed_k)], mixed_t, mixed_k, seed[:len(mixed_k)], position[:len(mixed_k)], 3, True)
+    assert torch.equal(mixed[0::3], alone[0:len(mixed_k):3]) and torch.equal(mixed[1::3], cut[1:len(mixed_k):3])
+    assert torch.all(mixed[2::3] == 0)
+    u = uniform(torch.arange(1000).repeat_interleave(100), torch.arange(100).repeat(1000))  # 1,000 seeds x 100 positions
+    assert 0 <= u.min() and u.max() < 1 and abs(u.mean() - 0.5) < 0.005 and abs(u.var() - 1 / 12) < 0.002
+    assert len(u.unique()) > 99_000  # seeds and positions both change the draw
 
 
 @pytest.fixture(scope="module")
