@@ -13,3 +13,4 @@ run budget --compare --kv-budget 4096 --num-requests 256 --prompt-len 8:128 --ne
 run sweep --compare --kv-budget 4096 --num-requests 150 --prompt-len 8:128 --new-tokens 8:128 --seed 1 \
     --sweep-rates 10,15,20,30,40,60 --plot docs/sweep.png --json docs/sweep.json
 python bench/floor.py > docs/floor.txt
+python bench/floor.py --vocab-size 50304 > docs/floor_50k.txt

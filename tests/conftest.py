@@ -39,7 +39,12 @@ def check_invariants(engine):
         for block in r.block_table:
             holders[block] += 1
     for r in engine.waiting:
-        assert not r.block_table and r.num_computed == 0, "a waiting request holds blocks"
+        assert not r.block_table and r.num_computed == 0 and r.row is None, "a waiting request holds blocks or a row"
+    rows = [r.row for r in engine.running]
+    assert sorted(rows + engine.free_rows) == list(range(engine.max_batch)), "a row is lost or held twice"
+    for r in engine.running:  # the persistent table mirrors each block table, and never names padding's block
+        assert engine.block_tables[r.row, :len(r.block_table)].tolist() == r.block_table
+        assert alloc.num_blocks not in r.block_table
     clean, cached = set(alloc.clean), set(alloc.cached)
     assert len(clean) == len(alloc.clean), "a block is twice on the clean stack"
     for block in range(alloc.num_blocks):
