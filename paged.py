@@ -162,8 +162,7 @@ class PagedBatch(StepBatch):
         slots = table[self.row, self.positions_cpu // bs] * bs + self.positions_cpu % bs  # (N,)
         single_table, single_len = table[:S, :int(self.blocks_read[:S].max()) if S else 0], self.kv_lens[:S]  # (S, W1), (S,)
         # NOTE: the pool's last block is never handed out; padded decode rows read it with length 1
-        self.pad = k_pool.is_cuda if pad is None else pad
-        if self.pad and S:
+        if (k_pool.is_cuda if pad is None else pad) and S:
             B, W = bucket(S), bucket(single_table.shape[1])
             single_table = F.pad(single_table, (0, W - single_table.shape[1], 0, B - S), value=k_pool.shape[1] - 1)
             single_len = F.pad(single_len, (0, B - S), value=1)

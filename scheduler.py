@@ -64,9 +64,11 @@ def sample(logits, temperature, top_k, seed, position, max_top_k=0, uncut=True):
     nanoGPT's temperature and top-k at uniform(seed, position). A row's candidates are its own top_k best,
     sorted, or every id in vocabulary order, whatever its batch holds. max_top_k: the largest top_k of a
     sampled row, 0 if none cuts; uncut: whether some sampled row keeps every id."""
+    tokens = argmax(logits)
+    if not (uncut or max_top_k):  # every row greedy
+        return tokens
     hot = temperature > 0
     temperature, u = torch.where(hot, temperature, 1.0), uniform(seed, position)
-    tokens = argmax(logits)
     if uncut:
         tokens = torch.where(hot & (top_k == 0), invert_cdf(logits.float(), temperature, u)[:, 0], tokens)
     if max_top_k:  # (R, K): the K best, sorted, so a row's own top_k is a prefix
