@@ -106,7 +106,7 @@ class StepBatch:
     def __init__(self, tokens, rows, starts, lens, ready):
         R, N, S = len(lens), sum(lens), sum(n == 1 for n in lens)
         assert all(n == 1 for n in lens[:S]), "one-token requests must come first"
-        lens_t, starts_t, rows_t = torch.tensor(lens), torch.tensor(starts), torch.tensor(rows)
+        lens_t, starts_t, self.rows = torch.tensor(lens), torch.tensor(starts), torch.tensor(rows)  # (R,) each
         ends = lens_t.cumsum(0)
         self.row = torch.repeat_interleave(torch.arange(R), lens_t)  # (N,) request of each token
         self.positions_cpu = starts_t[self.row] + torch.arange(N) - (ends - lens_t)[self.row]  # (N,)
@@ -118,7 +118,7 @@ class StepBatch:
         # logit_rows: the last new token of each ready request; sample_rows, sample_pos: its row and the
         # position of the token it samples next
         self.host = dict(idx=tokens, positions=self.positions_cpu, logit_rows=(ends - 1)[ready],
-                         sample_rows=rows_t[ready], sample_pos=self.kv_lens[ready], single_pos=self.kv_lens[:S, None] - 1)
+                         sample_rows=self.rows[ready], sample_pos=self.kv_lens[ready], single_pos=self.kv_lens[:S, None] - 1)
 
     def stage(self, device):
         """One host-to-device copy for every small tensor of the step, each then a view of it."""
@@ -158,7 +158,7 @@ class PagedBatch(StepBatch):
         super().__init__(tokens, rows, starts, lens, ready)
         self.k_pool, self.v_pool, bs, S = k_pool, v_pool, k_pool.shape[2], self.num_single
         self.blocks_read = (self.kv_lens + bs - 1) // bs  # (R,)
-        table = block_tables[torch.tensor(rows), :int(self.blocks_read.max())].long()  # (R, W)
+        table = block_tables[self.rows, :int(self.blocks_read.max())].long()  # (R, W)
         slots = table[self.row, self.positions_cpu // bs] * bs + self.positions_cpu % bs  # (N,)
         single_table, single_len = table[:S, :int(self.blocks_read[:S].max()) if S else 0], self.kv_lens[:S]  # (S, W1), (S,)
         # NOTE: the pool's last block is never handed out; padded decode rows read it with length 1
