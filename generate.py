@@ -13,10 +13,13 @@ import math
 import os
 import random
 import sys
+import threading
+import time
 
 import numpy as np
 import torch
 
+from paged import PagedBatch
 from scheduler import ContiguousEngine, Request, Scheduler
 from train_tiny import HelpFormatter, export_hf, get_tokenizer, load_checkpoint, shakespeare, train
 
@@ -113,7 +116,33 @@ def make_engine(model, kind, args, prompts, news, num_tokens):
     bs = args.block_size
     num_blocks = (args.kv_budget // bs if args.kv_budget else args.num_blocks) or \
         sum(-(-(len(p) + n - 1) // bs) for p, n in zip(prompts, news))  # default: every request at once
-    return Scheduler(model, num_blocks, bs, args.token_budget, args.max_batch, kind == "paged_prefix", num_tokens)
+    return Scheduler(model, num_blocks, bs, args.token_budget, args.max_batch, kind == "paged_prefix", num_tokens,
+                     compile=args.compile)
+
+def warm_up(engine, num_sequences):
+    """Compile the paged engine's decode attention before anything is timed, if its steps will use it,
+    with a line that counts the seconds: the first compile on a machine takes ~20 s on a CPU, and
+    inductor's on-disk cache (under /tmp/torchinductor_$USER) brings later ones to a few seconds."""
+    if not isinstance(engine, Scheduler) or engine.compile == "off" or \
+            min(engine.max_batch, num_sequences) < engine.compile_from:
+        return
+    B, c = max(2, engine.compile_from), engine.model.config
+    batch = PagedBatch(engine.k_pool, engine.v_pool, engine.block_tables, torch.zeros(B, dtype=torch.long), [0] * B,
+                       [1] * B, [1] * B, [], compiled=True)
+    q = torch.zeros(B, c.n_head, c.n_embd // c.n_head, dtype=engine.k_pool.dtype, device=engine.device)
+    what, start, done = f"compiling decode attention (torch.compile, {engine.device.type}, {engine.k_pool.dtype})", time.time(), threading.Event()
+
+    def tick():  # on a terminal, the seconds so far on one line
+        while not done.wait(1.0):
+            print(f"\r{what}: {time.time() - start:.0f} s", end="", flush=True)
+    if not sys.stdout.isatty():
+        print(f"{what} ...", flush=True)
+    ticker = threading.Thread(target=tick, daemon=True)
+    if sys.stdout.isatty():
+        ticker.start()
+    batch.attend_single(0, q)
+    done.set()
+    print(f"\r{what}: done in {time.time() - start:.1f} s", flush=True)
 
 def serve(engine, requests, args, rate):
     """Run one engine over the requests, arriving at `rate` -> its metrics."""
@@ -198,6 +227,10 @@ def parse_args(argv=None):
     p.add_argument("--token-budget", type=number_type(1), default=512,
                    help="tokens per paged step, decode + prefill chunks: larger cuts time to first token, and stalls decodes longer behind a chunk")
     p.add_argument("--no-prefix-cache", action="store_true", help="paged without sharing prompt blocks")
+    p.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
+                   help="paged decode attention through torch.compile (inductor). auto: always on a GPU; on a CPU for "
+                   "steps of 32 or more decode rows, where it measured faster, after a one-time compile (~20 s, "
+                   "a few seconds once cached) shown before the run; off: gather blocks + SDPA")
     p.add_argument("--kv-budget", type=number_type(1), help="KV token slots every design must live within")
     p.add_argument("--reserve", choices=["max", "pow2", "oracle"], help="contiguous reservation under --kv-budget (default: max)")
     p.add_argument("--request-rate", type=number_type(above=0, kind=float, allow_inf=True), default=math.inf,
@@ -293,7 +326,9 @@ def main(argv=None):
     sweep, runs, all_stats, requests = [], {}, {}, []
     try:
         for kind in kinds:  # untimed: first calls pay one-time setup, which would bias the first design run
-            make_engine(model, kind, args, prompts, news, enc.n_vocab).run([Request(p[:16], 2) for p in prompts[:2]])
+            engine = make_engine(model, kind, args, prompts, news, enc.n_vocab)
+            warm_up(engine, len(prompts))
+            engine.run([Request(p[:16], 2) for p in prompts[:2]])
         for rate in args.sweep_rates or [args.request_rate]:
             runs = {}
             for kind in kinds:

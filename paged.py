@@ -90,11 +90,12 @@ def gather_attend(q, k_pool, v_pool, block_table, kv_len):
     Products and sums, not matmuls, so torch.compile fuses the block gather into the score and value
     reductions instead of materializing a gathered copy. Padded rows (kv_len 1) are harmless."""
     B, H, D = q.shape
-    scores = (q[:, None, None].float() * k_pool[block_table].float()).sum(-1) * D ** -0.5  # (B, W, bs, H)
+    acc = torch.promote_types(q.dtype, torch.float32)  # bfloat16 accumulates in float32, float64 stays exact
+    scores = (q[:, None, None].to(acc) * k_pool[block_table].to(acc)).sum(-1) * D ** -0.5  # (B, W, bs, H)
     scores = scores.view(B, -1, H)  # (B, L, H)
     visible = torch.arange(scores.shape[1], device=q.device) < kv_len[:, None]  # (B, L)
     p = scores.masked_fill(~visible[..., None], float("-inf")).softmax(1)
-    return (p[..., None] * v_pool[block_table].float().view(B, -1, H, D)).sum(1).to(q.dtype)
+    return (p[..., None] * v_pool[block_table].to(acc).view(B, -1, H, D)).sum(1).to(q.dtype)
 
 class StepBatch:
     """Where one forward's new tokens sit. starts[i]: tokens request i has cached; lens[i]: tokens it
@@ -150,20 +151,21 @@ def bucket(n):
 
 class PagedBatch(StepBatch):
     """The pool seen by one forward: each new token's slot, and the block tables to read through, cut
-    from the engine's persistent block_tables (max_batch, max blocks per request) by the step's rows."""
+    from the engine's persistent block_tables (max_batch, max blocks per request) by the step's rows.
+    compiled: decode attention through torch.compile(gather_attend) rather than gather_kv + SDPA."""
 
-    compiled = None  # torch.compile(gather_attend), built on first use on a GPU
+    compiled_fn = None  # torch.compile(gather_attend), built on first use
 
-    def __init__(self, k_pool, v_pool, block_tables, tokens, rows, starts, lens, ready, pad=None):
+    def __init__(self, k_pool, v_pool, block_tables, tokens, rows, starts, lens, ready, compiled=False):
         super().__init__(tokens, rows, starts, lens, ready)
-        self.k_pool, self.v_pool, bs, S = k_pool, v_pool, k_pool.shape[2], self.num_single
+        self.k_pool, self.v_pool, self.compiled, bs, S = k_pool, v_pool, compiled, k_pool.shape[2], self.num_single
         self.blocks_read = (self.kv_lens + bs - 1) // bs  # (R,)
-        table = block_tables[self.rows, :int(self.blocks_read.max())].long()  # (R, W)
+        table = block_tables[self.rows, : int(self.blocks_read.max())].long()  # (R, W)
         slots = table[self.row, self.positions_cpu // bs] * bs + self.positions_cpu % bs  # (N,)
-        single_table, single_len = table[:S, :int(self.blocks_read[:S].max()) if S else 0], self.kv_lens[:S]  # (S, W1), (S,)
-        # NOTE: the pool's last block is never handed out; padded decode rows read it with length 1
-        if (k_pool.is_cuda if pad is None else pad) and S:
-            B, W = bucket(S), bucket(single_table.shape[1])
+        single_table, single_len = table[:S, : int(self.blocks_read[:S].max()) if S else 0], self.kv_lens[:S]  # (S, W1), (S,)
+        if compiled and S:  # padded rows read the pool's last block, never handed out, with length 1
+            # a GPU replays few static shapes; a CPU compiles one dynamic graph, whose sizes 1 would specialize
+            B, W = (bucket(S), bucket(single_table.shape[1])) if k_pool.is_cuda else (max(S, 2), max(single_table.shape[1], 2))
             single_table = F.pad(single_table, (0, W - single_table.shape[1], 0, B - S), value=k_pool.shape[1] - 1)
             single_len = F.pad(single_len, (0, B - S), value=1)
         self.host.update(slots=slots, single_table=single_table, single_len=single_len, table=table)
@@ -174,19 +176,21 @@ class PagedBatch(StepBatch):
         write_kv(self.k_pool[layer], self.v_pool[layer], self.slots, k, v)
 
     def attend_single(self, layer, q):  # q: (S, H, D)
-        k_pool, v_pool = self.k_pool[layer], self.v_pool[layer]
-        B = self.single_table.shape[0]
-        padded = q if B == q.shape[0] else F.pad(q, (0, 0, 0, 0, 0, B - q.shape[0]))  # (B, H, D)
-        if not self.k_pool.is_cuda:  # eager on a CPU: copy whole blocks out, then SDPA; no per-element gather
-            k, v = gather_kv(k_pool, self.single_table), gather_kv(v_pool, self.single_table)  # (B, L, H, D)
-            return attend(padded[:, None], k, v, self.single_len[:, None] - 1)[:q.shape[0], 0]
-        if PagedBatch.compiled is None:
-            config = torch._dynamo.config  # one graph per (batch, width) bucket pair; the name changed in torch 2.7
+        k_pool, v_pool, table, kv_len = self.k_pool[layer], self.v_pool[layer], self.single_table, self.single_len
+        if not self.compiled:  # copy whole blocks out, then SDPA; no per-element gather
+            k, v = gather_kv(k_pool, table), gather_kv(v_pool, table)  # (S, L, H, D)
+            return attend(q[:, None], k, v, kv_len[:, None] - 1)[:, 0]
+        if PagedBatch.compiled_fn is None:
+            config = torch._dynamo.config  # the name changed in torch 2.7; past the limit dynamo runs eager
             name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
             setattr(config, name, max(getattr(config, name), 64))
-            PagedBatch.compiled = torch.compile(gather_attend, dynamic=False)
-        return PagedBatch.compiled(padded, k_pool, v_pool, self.single_table, self.single_len)[:q.shape[0]]
+            PagedBatch.compiled_fn = torch.compile(gather_attend, dynamic=False if q.is_cuda else None)
+        padded = F.pad(q, (0, 0, 0, 0, 0, table.shape[0] - q.shape[0]))  # (B, H, D)
+        if not q.is_cuda:
+            for t, dim in [(padded, 0), (table, 0), (table, 1), (kv_len, 0), (k_pool, 0), (v_pool, 0)]:
+                torch._dynamo.maybe_mark_dynamic(t, dim)
+        return PagedBatch.compiled_fn(padded, k_pool, v_pool, table, kv_len)[: q.shape[0]]
 
     def cached_kv(self, layer, i):  # request i's K/V: (1, L, H, D) each
-        table = self.table[i:i + 1, :self.blocks_read[i]]
+        table = self.table[i : i + 1, : self.blocks_read[i]]
         return gather_kv(self.k_pool[layer], table), gather_kv(self.v_pool[layer], table)

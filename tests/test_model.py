@@ -35,7 +35,7 @@ def incremental_logits(model, prompts, decode_steps, make_batch):
     return reqs, steps
 
 
-@pytest.mark.parametrize("cache", ["contiguous", "paged", "paged, decode rows padded"])
+@pytest.mark.parametrize("cache", ["contiguous", "paged", "paged, compiled"])
 def test_cached_decode_equals_full_recompute(model, cache):
     prompts = [[5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [42], [7, 7, 7], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]]
     k_pool, v_pool = torch.zeros(2, 65, 3, 2, 16, dtype=torch.float64), torch.zeros(2, 65, 3, 2, 16, dtype=torch.float64)
@@ -44,7 +44,7 @@ def test_cached_decode_equals_full_recompute(model, cache):
 
     def paged_batch(plan, idx):
         rows, starts, lens = zip(*[(r.row, r.num_computed, n) for r, n in plan])
-        return PagedBatch(k_pool, v_pool, block_tables, idx, rows, starts, lens, list(range(len(plan))), pad="padded" in cache)
+        return PagedBatch(k_pool, v_pool, block_tables, idx, rows, starts, lens, list(range(len(plan))), compiled="compiled" in cache)
 
     make_batch = paged_batch if cache.startswith("paged") else (lambda plan, idx: ContiguousBatch(plan, list(range(len(plan))), idx, torch.device("cpu")))
     reqs, steps = incremental_logits(model, prompts, 6, make_batch)

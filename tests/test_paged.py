@@ -124,3 +124,25 @@ def test_paged_equals_contiguous_token_for_token(model, block_size, token_budget
     assert all(len(g) == n for g, n in zip(got, news))
     if token_budget < 30:
         assert max(s["context"] for s in engine.stats) > 0 and engine.prefill_tokens >= sum(map(len, prompts))
+
+
+def test_compiled_decode_on_the_cpu_equals_eager_with_one_graph_and_no_recompiles(model):
+    """Inductor on the CPU: the same greedy tokens as eager and as the baseline, with scattered block tables
+    (preemption under a small pool, LIFO reuse), decode batches that shrink to one padded row, and steps
+    that mix decode and chunks. The dynamic graph compiles once; nothing recompiles in the steady state."""
+    from torch._dynamo.utils import counters
+
+    rng = random.Random(5)
+    prompts = [[rng.randrange(1, 300) for _ in range(rng.randint(1, 30))] for _ in range(10)]
+    news = [rng.randint(1, 30) for _ in prompts]
+    expected = baseline(model, prompts, news)
+    warm = Scheduler(model, num_blocks=40, block_size=4, token_budget=24, max_batch=8, compile="on")
+    run_engine(warm, make_requests(prompts[:3], news[:3]))  # compiles the graph this model's dtype needs
+    graphs = counters["stats"]["unique_graphs"]
+    for num_blocks in (40, 16):  # a roomy pool, then one that preempts
+        engine = Scheduler(model, num_blocks=num_blocks, block_size=4, token_budget=24, max_batch=8, compile="on")
+        assert run_engine(engine, make_requests(prompts, news), check=True) == expected
+    assert engine.num_preemptions > 0
+    assert counters["stats"]["unique_graphs"] == graphs, "a steady-state step recompiled"
+    eager = Scheduler(model, num_blocks=16, block_size=4, token_budget=24, max_batch=8, compile="off")
+    assert run_engine(eager, make_requests(prompts, news)) == expected
