@@ -18,10 +18,89 @@ import time
 
 import numpy as np
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
-from paged import PagedBatch
-from scheduler import ContiguousEngine, Request, Scheduler
+from model import attend
+from paged import PagedBatch, StepBatch
+from scheduler import Engine, Request, Scheduler
 from train_tiny import HelpFormatter, export_hf, get_tokenizer, load_checkpoint, shakespeare, train
+
+class ContiguousBatch(StepBatch):
+    """The baseline's cache seen by one forward: each request's K/V are its own tensors, grown by
+    torch.cat every step; decode rows are padded side by side to attend in one call."""
+
+    def __init__(self, plan, ready, tokens, device):
+        self.requests, lens = zip(*plan)
+        super().__init__(tokens, [r.row for r in self.requests], [r.num_computed for r in self.requests], lens, ready)
+        self.stage(device)
+
+    def store(self, layer, k, v):  # k, v: (N, H, D)
+        for r, (a, b) in zip(self.requests, self.spans):
+            r.k[layer] = torch.cat([r.k[layer], k[a:b]])
+            r.v[layer] = torch.cat([r.v[layer], v[a:b]])
+
+    def attend_single(self, layer, q):  # q: (S, H, D)
+        decoding = self.requests[:self.num_single]
+        k = pad_sequence([r.k[layer] for r in decoding], batch_first=True)  # (S, L, H, D)
+        v = pad_sequence([r.v[layer] for r in decoding], batch_first=True)
+        return attend(q[:, None], k, v, self.single_pos)[:, 0]
+
+    def cached_kv(self, layer, i):  # request i's K/V: (1, L, H, D) each
+        return self.requests[i].k[layer][None], self.requests[i].v[layer][None]
+
+class ContiguousEngine(Engine):
+    """Continuous batching without paging: up to max_batch requests run; a new one is prefilled whole
+    in the same forward that decodes the others. Under a KV budget (token slots), a request is admitted
+    only if its reservation fits in what is left, and holds it until it finishes, as the vLLM paper's
+    baselines do: the whole context (max: FasterTransformer, Orca (Max)), prompt + max_new_tokens
+    rounded up to a power of two (pow2: Orca (Pow2)), or exactly (oracle: Orca (Oracle))."""
+
+    def __init__(self, model, max_batch=64, num_tokens=None, kv_budget=None, reserve="max", clock=None):
+        super().__init__(model, max_batch, num_tokens, clock)
+        if reserve not in ("max", "pow2", "oracle") or (kv_budget is not None and kv_budget < 1):
+            raise ValueError(f"reserve {reserve!r} must be max, pow2 or oracle, and kv_budget {kv_budget} at least 1")
+        self.kv_budget, self.reserve, self.reserved = kv_budget, reserve, 0
+
+    def reservation(self, r):
+        need = r.num_prompt + r.max_new_tokens
+        return min(self.context, dict(max=self.context, pow2=1 << (need - 1).bit_length(), oracle=need)[self.reserve])
+
+    def check(self, r):
+        super().check(r)
+        if self.kv_budget is not None and self.reservation(r) > self.kv_budget:
+            raise ValueError(f"a request of {r.num_prompt} + {r.max_new_tokens} tokens reserves {self.reservation(r)} "
+                             f"slots under --reserve {self.reserve}, but the KV budget is {self.kv_budget} slots")
+
+    def fits(self, r):  # a request reserves for all the sequences it will fork into
+        return self.kv_budget is None or self.reserved + self.reservation(r) * r.width() <= self.kv_budget
+
+    def schedule(self):
+        c, dtype = self.model.config, self.model.lm_head.weight.dtype
+        while self.waiting and sum(s.width() for s in self.running + [self.waiting[0]]) <= self.max_batch:
+            if not self.fits(self.waiting[0]):
+                break
+            r = self.waiting.popleft()
+            self.reserved += self.reservation(r) * r.width()
+            empty = torch.empty(0, c.n_head, c.n_embd // c.n_head, device=self.device, dtype=dtype)
+            r.k, r.v = [empty] * c.n_layer, [empty] * c.n_layer
+            self.start(r)
+        return [(r, len(r.tokens) - r.num_computed) for r in self.running]
+
+    def make_batch(self, plan, ready, tokens):
+        return ContiguousBatch(plan, ready, tokens, self.device)
+
+    def forked(self, r, child):  # torch.cat makes a new tensor on every append: sharing the old ones is safe
+        child.k, child.v = list(r.k), list(r.v)
+
+    def release(self, r):
+        r.k = r.v = None
+        if r.status != "dead":  # a dead beam's reservation passes to the fork that replaces it
+            self.reserved -= self.reservation(r)
+
+    def kv_slots(self):  # slots (allocated, holding a token's K/V, allocated ahead for tokens to come)
+        used = sum(r.num_computed for r in self.running)
+        allocated = used if self.kv_budget is None else self.reserved  # unbudgeted, torch.cat holds just the tokens
+        return dict(allocated=allocated, used=used, ahead=allocated - used)
 
 LABELS = {"contiguous": "contiguous", "contiguous_max": "contiguous, reserve max", "paged": "paged",
           "contiguous_pow2": "contiguous, reserve pow2", "contiguous_oracle": "contiguous, reserve oracle",

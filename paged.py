@@ -145,10 +145,6 @@ class StepBatch:
                 out.append(attend(q[None, a:b], keys, values, self.positions[None, a:b])[0])
         return torch.cat(out) if len(out) > 1 else out[0]
 
-def bucket(n):
-    """1, 2, 4, 8, then multiples of 16: padded decode shapes repeat across steps, so few graphs compile."""
-    return 1 << (max(n, 1) - 1).bit_length() if n <= 8 else -(-n // 16) * 16
-
 class PagedBatch(StepBatch):
     """The pool seen by one forward: each new token's slot, and the block tables to read through, cut
     from the engine's persistent block_tables (max_batch, max blocks per request) by the step's rows.
@@ -162,10 +158,9 @@ class PagedBatch(StepBatch):
         self.blocks_read = (self.kv_lens + bs - 1) // bs  # (R,)
         table = block_tables[self.rows, : int(self.blocks_read.max())].long()  # (R, W)
         slots = table[self.row, self.positions_cpu // bs] * bs + self.positions_cpu % bs  # (N,)
-        single_table, single_len = table[:S, : int(self.blocks_read[:S].max()) if S else 0], self.kv_lens[:S]  # (S, W1), (S,)
-        if compiled and S:  # padded rows read the pool's last block, never handed out, with length 1
-            # a GPU replays few static shapes; a CPU compiles one dynamic graph, whose sizes 1 would specialize
-            B, W = (bucket(S), bucket(single_table.shape[1])) if k_pool.is_cuda else (max(S, 2), max(single_table.shape[1], 2))
+        single_table, single_len = table[:S, : int(self.blocks_read[:S].max()) if S else 0], self.kv_lens[:S]
+        if compiled and S:  # sizes of 1 would specialize the graph: pad to 2 with the pool's spare last block
+            B, W = max(S, 2), max(single_table.shape[1], 2)
             single_table = F.pad(single_table, (0, W - single_table.shape[1], 0, B - S), value=k_pool.shape[1] - 1)
             single_len = F.pad(single_len, (0, B - S), value=1)
         self.host.update(slots=slots, single_table=single_table, single_len=single_len, table=table)
@@ -177,18 +172,14 @@ class PagedBatch(StepBatch):
 
     def attend_single(self, layer, q):  # q: (S, H, D)
         k_pool, v_pool, table, kv_len = self.k_pool[layer], self.v_pool[layer], self.single_table, self.single_len
-        if not self.compiled:  # copy whole blocks out, then SDPA; no per-element gather
+        if not self.compiled:  # copy whole blocks out, then SDPA
             k, v = gather_kv(k_pool, table), gather_kv(v_pool, table)  # (S, L, H, D)
             return attend(q[:, None], k, v, kv_len[:, None] - 1)[:, 0]
-        if PagedBatch.compiled_fn is None:
-            config = torch._dynamo.config  # the name changed in torch 2.7; past the limit dynamo runs eager
-            name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-            setattr(config, name, max(getattr(config, name), 64))
-            PagedBatch.compiled_fn = torch.compile(gather_attend, dynamic=False if q.is_cuda else None)
+        if PagedBatch.compiled_fn is None:  # one graph per dtype, far below dynamo's recompile limit (8)
+            PagedBatch.compiled_fn = torch.compile(gather_attend)
         padded = F.pad(q, (0, 0, 0, 0, 0, table.shape[0] - q.shape[0]))  # (B, H, D)
-        if not q.is_cuda:
-            for t, dim in [(padded, 0), (table, 0), (table, 1), (kv_len, 0), (k_pool, 0), (v_pool, 0)]:
-                torch._dynamo.maybe_mark_dynamic(t, dim)
+        for t, dim in [(padded, 0), (table, 0), (table, 1), (kv_len, 0), (k_pool, 0), (v_pool, 0)]:
+            torch._dynamo.maybe_mark_dynamic(t, dim)  # one graph for every batch, width and pool size
         return PagedBatch.compiled_fn(padded, k_pool, v_pool, table, kv_len)[: q.shape[0]]
 
     def cached_kv(self, layer, i):  # request i's K/V: (1, L, H, D) each

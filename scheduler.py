@@ -1,7 +1,9 @@
-"""Requests and the engines that serve them. Engine.step is one model forward: plan (which requests
+"""Requests and the engine that serves them. Engine.step is one model forward: plan (which requests
 bring how many tokens) -> batch (where their K/V go, what they read) -> forward -> sample -> bookkeeping.
 Scheduler, the paged engine, plans decode plus chunked prefill under a token budget, with
-backpressure, prefix caching and preemption; ContiguousEngine is the baseline it is measured against."""
+backpressure, prefix caching, preemption, and forks that share blocks (n samples, beam search).
+The baseline it is measured against, ContiguousEngine, is in generate.py with the experiments."""
+import copy
 import hashlib
 import heapq
 import itertools
@@ -9,28 +11,44 @@ import math
 import time
 from array import array
 from collections import deque
+from types import SimpleNamespace
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
 
-from model import attend
-from paged import BlockAllocator, PagedBatch, StepBatch
+from paged import BlockAllocator, PagedBatch
 
 class Request:
-    def __init__(self, prompt, max_new_tokens, temperature=0.0, top_k=None, seed=0):
+    """What a user asks for, and the one sequence the engine runs for it. For n samples or num_beams beams
+    it forks once its prompt is computed: each fork is a Request that shares its blocks. The one the user
+    added (the root) keeps the group: its sequences, and at the end the best one's tokens as its own."""
+
+    def __init__(self, prompt, max_new_tokens, temperature=0.0, top_k=None, seed=0, n=1, num_beams=1,
+                 length_penalty=1.0):
         self.tokens = list(prompt)  # the prompt, then each generated token
         self.num_prompt, self.max_new_tokens = len(prompt), max_new_tokens
-        self.temperature, self.top_k, self.seed = temperature, top_k, seed
-        self.status = "waiting"  # -> prefilling -> decoding -> done; a preempted request waits again
+        self.temperature, self.top_k, self.seed = temperature, top_k, seed  # sample i of n draws with seed + i
+        self.n, self.num_beams, self.length_penalty = n, num_beams, length_penalty
+        self.status = "waiting"  # -> prefilling -> decoding -> done; a preempted request waits again; a beam dies
         self.row = None  # while running: its row in the engine's per-request tensors
         self.block_table = []  # physical block of each logical block
         self.num_computed = 0  # tokens whose K/V are in the cache
         self.block_hashes = []  # chained hash of each full block of tokens, computed once each
         self.arrival = self.first_token_at = self.done_at = None
+        self.root, self.sequences = self, [self]  # the group: samples in order, or live beams best first
+        self.score, self.logprobs = 0.0, None  # a beam's log-probability, and its next token's, held for the group
 
     @property
     def generated(self):
         return self.tokens[self.num_prompt:]
+
+    def width(self):  # rows this sequence will take: one, or its group's all before it forks
+        return max(self.n, self.num_beams) if self.sequences == [self] else 1
+
+    def fork(self, seed):
+        child = copy.copy(self)
+        child.tokens, child.block_table, child.block_hashes = self.tokens[:], self.block_table[:], self.block_hashes[:]
+        child.seed, child.row, child.sequences = seed, None, None
+        return child
 
 def mix32(x):
     """A 32-bit integer hash (hash-prospector's lowbias32, second constants) in int64 tensor ops: both
@@ -77,10 +95,8 @@ def sample(logits, temperature, top_k, seed, position, max_top_k=0, uncut=True):
         tokens = torch.where(hot & (top_k > 0), ids.gather(1, invert_cdf(values, temperature, u))[:, 0], tokens)
     return tokens
 
-class Clock:
-    """Wall time. The engine only asks now() and sleep(), so a test can swap in a fake clock."""
-    now = staticmethod(time.perf_counter)
-    sleep = staticmethod(time.sleep)
+# wall time: the engine only asks now() and sleep(), so a test can swap in a fake clock
+WALL_CLOCK = SimpleNamespace(now=time.perf_counter, sleep=time.sleep)
 
 class Engine:
     """Runs requests to completion. Subclasses choose each step's tokens (schedule) and where their
@@ -90,10 +106,11 @@ class Engine:
         if max_batch < 1:
             raise ValueError(f"max_batch is {max_batch}; it must be at least 1")
         self.model, self.max_batch, self.context = model, max_batch, model.config.block_size
+        self.max_running = max_batch  # sequences at once
         # ids from num_tokens on are never sampled: nanoGPT pads GPT-2's 50,257 tokens to 50,304 ids
         self.num_tokens = num_tokens or model.config.vocab_size
         self.device = model.lm_head.weight.device
-        self.clock = clock or Clock()
+        self.clock = clock or WALL_CLOCK
         self.arriving = []  # a heap of (arrival, order, request) not yet arrived
         self.order = itertools.count()
         self.waiting, self.running, self.finished = deque(), [], []
@@ -124,6 +141,10 @@ class Engine:
                              f"exceeds the model's context of {self.context} (+1: the last token is never fed back)")
         if not (math.isfinite(r.temperature) and r.temperature >= 0) or (r.top_k is not None and r.top_k < 1):
             raise ValueError(f"temperature {r.temperature} must be a finite number >= 0 and top_k {r.top_k} >= 1")
+        if min(r.n, r.num_beams) < 1 or (r.num_beams > 1 and (r.n > 1 or r.temperature > 0 or r.top_k)):
+            raise ValueError(f"n {r.n} and num_beams {r.num_beams} must be at least 1; beam search is greedy: no n")
+        if r.width() > self.max_running:
+            raise ValueError(f"{r.width()} sequences of one request exceed the {self.max_running} that run at once")
 
     def run(self, requests, arrivals=None):
         for r, arrival in zip(requests, arrivals or [None] * len(requests)):
@@ -132,18 +153,31 @@ class Engine:
             self.step()
         return requests
 
-    def start(self, r):
+    def start(self, r, status="prefilling"):
         r.row = self.free_rows.pop()
         top_k = r.top_k if r.top_k and r.top_k < self.num_tokens else 0  # 0: every id is a candidate
         self.temperature[r.row], self.top_k[r.row], self.seed[r.row] = r.temperature, top_k, r.seed
-        r.status = "prefilling"
+        r.status = status
         self.running.append(r)
 
-    def stop(self, r, status):  # done, or preempted
+    def stop(self, r, status):  # done, preempted, or a beam that died
+        r.status, r.logprobs = status, None
         self.running.remove(r)
         self.free_rows.append(r.row)
         self.release(r)
-        r.status, r.row = status, None
+        r.row = None
+
+    def fork(self, r, seed):  # a new sequence sharing r's tokens and K/V, that runs on its own from here
+        child = r.fork(seed)
+        self.start(child, r.status)
+        self.forked(r, child)
+        return child
+
+    def finish(self, root, now):  # every sequence of root is done
+        root.done_at, root.status = now, "done"
+        root.sequences = [copy.copy(s) if s is root else s for s in root.sequences]  # root's own, kept apart
+        root.tokens = list(root.sequences[0].tokens)  # beams: the best one's; samples: root's own
+        self.finished.append(root)
 
     def take_arrivals(self):
         while self.arriving and self.arriving[0][0] <= self.clock.now():
@@ -165,102 +199,69 @@ class Engine:
         batch = self.make_batch(plan, ready, torch.tensor(list(new)))
         logits, _ = self.model(batch.idx, cache=batch)  # (len(ready), V)
         logits[:, self.num_tokens:] = float("-inf")  # in place: argmax over a slice ran 4x slower (numpy)
-        hot = [plan[i][0].top_k or self.num_tokens for i in ready if plan[i][0].temperature > 0]
-        cuts = [k for k in hot if k < self.num_tokens]
-        rows = batch.sample_rows
-        new_tokens = sample(logits, self.temperature[rows], self.top_k[rows], self.seed[rows], batch.sample_pos,
-                            max(cuts, default=0), len(cuts) < len(hot))
-        new_tokens = new_tokens.tolist()  # the step's one device-to-host transfer
-        now = self.clock.now()
         for r, n in plan:
             self.prefill_tokens += n if r.status == "prefilling" else 0
             r.num_computed += n
             self.computed(r, n)
-        allocated, used, ahead = self.kv_slots()
-        self.stats.append(dict(seconds=now - start, running=len(self.running), allocated=allocated, used=used,
-                               ahead=ahead, context=sum(r.num_computed for r, _ in plan)))
-        for i, token in zip(ready, new_tokens):
-            r = plan[i][0]
+        samplers, source = [plan[i][0] for i in ready], list(range(len(ready)))  # the sequence each row starts
+        rows, positions = batch.sample_rows, batch.sample_pos
+        for i, r in enumerate(samplers[: len(ready)]):  # n samples: forks of a computed prompt share its logits
+            if r.n > 1 and r.sequences == [r]:
+                r.sequences += [self.fork(r, r.seed + j) for j in range(1, r.n)]
+                samplers, source = samplers + r.sequences[1:], source + [i] * (r.n - 1)
+        if len(samplers) > len(ready):  # the forks' rows are not in the staged batch: copy them now
+            logits, rows = logits[source], torch.tensor([r.row for r in samplers], device=self.device)
+            positions = torch.tensor([len(r.tokens) for r in samplers], device=self.device)
+        hot = [r.top_k or self.num_tokens for r in samplers if r.temperature > 0]
+        cuts = [k for k in hot if k < self.num_tokens]
+        settings = self.temperature[rows], self.top_k[rows], self.seed[rows], positions
+        new_tokens = sample(logits, *settings, max(cuts, default=0), len(cuts) < len(hot)).tolist()  # one transfer
+        beams = [j for j, r in enumerate(samplers) if r.num_beams > 1]
+        if beams:  # in float32, as HF's beam search
+            logprobs = dict(zip(beams, torch.log_softmax(logits[beams].float(), -1).cpu()))
+        now = self.clock.now()
+        context = sum(r.num_computed for r, _ in plan)
+        self.stats.append(dict(seconds=now - start, running=len(self.running), context=context, **self.kv_slots()))
+        for j, (r, token) in enumerate(zip(samplers, new_tokens)):
+            r.status, r.root.first_token_at = "decoding", r.root.first_token_at or now
+            if r.num_beams > 1:  # held until every beam of its group has its own
+                r.logprobs = logprobs[j]
+                if all(b.logprobs is not None for b in r.root.sequences):
+                    self.step_beams(r.root, now)
+                continue
             r.tokens.append(token)
-            r.status, r.first_token_at = "decoding", r.first_token_at or now
             if len(r.tokens) - r.num_prompt == r.max_new_tokens:
-                r.done_at = now
                 self.stop(r, "done")
-                self.finished.append(r)
+                if all(s.status == "done" for s in r.root.sequences):
+                    self.finish(r.root, now)
+
+    def step_beams(self, root, now):
+        """One step of beam search for root's group, as HF's: the num_beams likeliest continuations of its
+        live beams by summed log-probability (float32) survive, best first; a beam continued more than once
+        forks, and a beam not continued dies and frees its blocks. Ends when the beams reach max_new_tokens."""
+        beams = root.sequences
+        scores = torch.stack([b.logprobs for b in beams]) + torch.tensor([b.score for b in beams])[:, None]  # (live, V)
+        top = scores.flatten().topk(min(root.num_beams, scores.numel()))  # the first step may have fewer
+        V = scores.shape[1]
+        picks = [(beams[i // V], i % V, score) for i, score in zip(top.indices.tolist(), top.values.tolist())]
+        for b in beams:
+            if all(b is not parent for parent, _, _ in picks):
+                self.stop(b, "dead")
+        taken, root.sequences = set(), []
+        for parent, token, score in picks:  # forks first take a copy of the parent's tokens, before it grows
+            root.sequences.append(parent if id(parent) not in taken else self.fork(parent, parent.seed))
+            taken.add(id(parent))
+        for b, (_, token, score) in zip(root.sequences, picks):
+            b.tokens.append(token)
+            b.score, b.logprobs = score, None
+        if len(root.sequences[0].tokens) - root.num_prompt == root.max_new_tokens:
+            for b in root.sequences:
+                b.score /= root.max_new_tokens**root.length_penalty  # as HF scores a finished beam
+                self.stop(b, "done")
+            self.finish(root, now)
 
     def computed(self, r, n):  # hook: r's K/V just grew by n tokens
         pass
-
-class ContiguousBatch(StepBatch):
-    """The baseline's cache seen by one forward: each request's K/V are its own tensors, grown by
-    torch.cat every step; decode rows are padded side by side to attend in one call."""
-
-    def __init__(self, plan, ready, tokens, device):
-        super().__init__(tokens, [r.row for r, _ in plan], [r.num_computed for r, _ in plan], [n for _, n in plan], ready)
-        self.requests = [r for r, _ in plan]
-        self.stage(device)
-
-    def store(self, layer, k, v):  # k, v: (N, H, D)
-        for r, (a, b) in zip(self.requests, self.spans):
-            r.k[layer] = torch.cat([r.k[layer], k[a:b]])
-            r.v[layer] = torch.cat([r.v[layer], v[a:b]])
-
-    def attend_single(self, layer, q):  # q: (S, H, D)
-        decoding = self.requests[:self.num_single]
-        k = pad_sequence([r.k[layer] for r in decoding], batch_first=True)  # (S, L, H, D)
-        v = pad_sequence([r.v[layer] for r in decoding], batch_first=True)
-        return attend(q[:, None], k, v, self.single_pos)[:, 0]
-
-    def cached_kv(self, layer, i):  # request i's K/V: (1, L, H, D) each
-        return self.requests[i].k[layer][None], self.requests[i].v[layer][None]
-
-class ContiguousEngine(Engine):
-    """Continuous batching without paging: up to max_batch requests run; a new one is prefilled whole
-    in the same forward that decodes the others. Under a KV budget (token slots), a request is admitted
-    only if its reservation fits in what is left, and holds it until it finishes, as the vLLM paper's
-    baselines do: the whole context (max: FasterTransformer, Orca (Max)), prompt + max_new_tokens
-    rounded up to a power of two (pow2: Orca (Pow2)), or exactly (oracle: Orca (Oracle))."""
-
-    def __init__(self, model, max_batch=64, num_tokens=None, kv_budget=None, reserve="max", clock=None):
-        super().__init__(model, max_batch, num_tokens, clock)
-        if reserve not in ("max", "pow2", "oracle") or (kv_budget is not None and kv_budget < 1):
-            raise ValueError(f"reserve {reserve!r} must be max, pow2 or oracle, and kv_budget {kv_budget} at least 1")
-        self.kv_budget, self.reserve, self.reserved = kv_budget, reserve, 0
-
-    def reservation(self, r):
-        need = r.num_prompt + r.max_new_tokens
-        return min(self.context, {"max": self.context, "pow2": 1 << (need - 1).bit_length(), "oracle": need}[self.reserve])
-
-    def check(self, r):
-        super().check(r)
-        if self.kv_budget is not None and self.reservation(r) > self.kv_budget:
-            raise ValueError(f"a request of {r.num_prompt} + {r.max_new_tokens} tokens reserves {self.reservation(r)} "
-                             f"slots under --reserve {self.reserve}, but the KV budget is {self.kv_budget} slots")
-
-    def fits(self, r):
-        return self.kv_budget is None or self.reserved + self.reservation(r) <= self.kv_budget
-
-    def schedule(self):
-        c = self.model.config
-        while self.waiting and len(self.running) < self.max_batch and self.fits(self.waiting[0]):
-            r = self.waiting.popleft()
-            self.reserved += self.reservation(r)
-            empty = torch.empty(0, c.n_head, c.n_embd // c.n_head, device=self.device, dtype=self.model.lm_head.weight.dtype)
-            r.k, r.v = [empty] * c.n_layer, [empty] * c.n_layer
-            self.start(r)
-        return [(r, len(r.tokens) - r.num_computed) for r in self.running]
-
-    def make_batch(self, plan, ready, tokens):
-        return ContiguousBatch(plan, ready, tokens, self.device)
-
-    def release(self, r):
-        r.k = r.v = None
-        self.reserved -= self.reservation(r)
-
-    def kv_slots(self):  # slots (allocated, holding a token's K/V, allocated ahead for tokens to come)
-        used = sum(r.num_computed for r in self.running)
-        allocated = used if self.kv_budget is None else self.reserved  # unbudgeted, torch.cat holds just the tokens
-        return allocated, used, allocated - used
 
 class Scheduler(Engine):
     """The paged engine. A step takes every decoding request's next token, then prefill chunks of
@@ -270,8 +271,8 @@ class Scheduler(Engine):
                  num_tokens=None, clock=None, compile="auto"):
         super().__init__(model, max_batch, num_tokens, clock)
         if min(block_size, token_budget, num_blocks) < 1 or compile not in ("auto", "on", "off"):
-            raise ValueError(f"block_size {block_size}, token_budget {token_budget} and num_blocks {num_blocks} "
-                             f"must each be at least 1, and compile {compile!r} auto, on or off")
+            raise ValueError(f"block_size {block_size}, token_budget {token_budget}, num_blocks {num_blocks} must "
+                             f"be >= 1, compile {compile!r} auto, on or off")
         c = model.config  # the pool, allocated once; (layer, head)'s own is k_pool[layer, :, :, head]
         # NOTE: one block more than the allocator hands out: the last is padding's, to read and write harmlessly
         shape = (c.n_layer, num_blocks + 1, block_size, c.n_head, c.n_embd // c.n_head)
@@ -281,12 +282,12 @@ class Scheduler(Engine):
         self.block_size, self.token_budget, self.prefix_cache = block_size, token_budget, prefix_cache
         # auto: compiled decode attention on a GPU, and on a CPU from 32 decode rows, where it measured faster
         self.compile, self.compile_from = compile, 1 if compile == "on" or self.k_pool.is_cuda else 32
-        self.max_running = min(max_batch, token_budget)  # so every decoding request fits in a step
+        self.max_running = min(max_batch, token_budget)  # so every decoding sequence fits in a step
         self.watermark = max(1, num_blocks // 100)  # kept free at admission, for running requests to grow
         self.admitted_tokens = self.cached_tokens = 0  # over every admission, readmissions included
         # each running request's block table in its row, updated as it grows: no step rebuilds one from a list
-        self.block_tables = torch.full((max_batch, self.blocks_for(self.context)), num_blocks, dtype=torch.int32,
-                                       pin_memory=self.k_pool.is_cuda)
+        shape, pinned = (max_batch, self.blocks_for(self.context)), self.k_pool.is_cuda
+        self.block_tables = torch.full(shape, num_blocks, dtype=torch.int32, pin_memory=pinned)
 
     def blocks_for(self, num_tokens):
         return -(-num_tokens // self.block_size)
@@ -294,21 +295,24 @@ class Scheduler(Engine):
     def check(self, r):
         super().check(r)
         need = self.blocks_for(r.num_prompt + r.max_new_tokens - 1)  # the last token is never fed back
-        if need > self.allocator.num_blocks:
+        if need * r.num_beams > self.allocator.num_blocks:  # a preempted beam group comes back whole
+            each = f" for each of {r.num_beams} beams" if r.num_beams > 1 else ""
             raise ValueError(f"a request of {r.num_prompt} + {r.max_new_tokens} tokens needs {need} blocks of "
-                             f"{self.block_size}, but the pool has only {self.allocator.num_blocks}")
+                             f"{self.block_size}{each}, but the pool has only {self.allocator.num_blocks}")
 
     def schedule(self):
         budget, plan = self.token_budget, []
         for r in list(self.running):  # oldest first, so preemption takes the newest
-            if r.status == "decoding" and self.reserve_slot(r):
+            if r.status == "decoding" and r.logprobs is None and self.reserve_slot(r):
                 plan.append((r, 1))
                 budget -= 1
+        plan = [(r, n) for r, n in plan if r.row is not None]  # a beam group goes whole: some may have gone
         prefilling = [r for r in self.running if r.status == "prefilling"]
         while self.waiting and budget > sum(len(r.tokens) - r.num_computed for r in prefilling):
-            if not self.admit(self.waiting[0]):
+            admitted = self.admit(self.waiting[0])
+            if not admitted:
                 break
-            prefilling.append(self.waiting.popleft())
+            prefilling += admitted
         for r in prefilling:  # chunks in admission order until the budget runs out
             if budget > 0:
                 plan.append((r, min(len(r.tokens) - r.num_computed, budget)))
@@ -316,18 +320,32 @@ class Scheduler(Engine):
         return plan
 
     def reserve_slot(self, r):
-        """Give r's next token a slot. If no block is free even after evicting cached ones, preempt the
-        newest running request, r itself included. False if r was preempted."""
-        if r.num_computed < len(r.block_table) * self.block_size:
+        """Give r's next token a slot of its own: a new block when its last is full, a copy of its last when
+        that is shared with a fork (copy-on-write; full blocks are never written, so never copied). If no
+        block is free even after evicting cached ones, preempt the newest running request (its whole beam
+        group), r itself included. False if r was preempted."""
+        k = r.num_computed // self.block_size
+        if k < len(r.block_table) and self.allocator.ref_count[r.block_table[k]] == 1:
             return True
         while self.allocator.num_free() == 0:
-            victim = self.running[-1]
-            self.preempt(victim)
-            if victim is r:
+            group = self.group_of(self.running[-1])
+            for victim in reversed(group):
+                self.preempt(victim)
+            if r in group:
                 return False
-        r.block_table.append(self.allocator.allocate_one())
-        self.block_tables[r.row, len(r.block_table) - 1] = r.block_table[-1]
+        block = self.allocator.allocate_one()
+        if k < len(r.block_table):  # copy the shared block's K/V in every layer, then let go of it
+            shared = r.block_table[k]
+            self.k_pool[:, block], self.v_pool[:, block] = self.k_pool[:, shared], self.v_pool[:, shared]
+            self.allocator.free([shared])
+            r.block_table[k] = block
+        else:
+            r.block_table.append(block)
+        self.block_tables[r.row, k] = block
         return True
+
+    def group_of(self, r):  # what preemption takes with r: a beam group needs all its beams to step
+        return [s for s in self.running if s.root is r.root] if r.num_beams > 1 else [r]
 
     def preempt(self, r):
         """Free r's blocks (hashed ones stay cached) and requeue it first. It keeps its tokens and
@@ -338,29 +356,34 @@ class Scheduler(Engine):
         self.num_preemptions += 1
 
     def admit(self, r):
-        """Admit r if free blocks cover its tokens, less those the prefix cache holds, and leave the
-        watermark. Otherwise it waits, and so does everyone behind it."""
-        if len(self.running) >= self.max_running:
-            return False
-        hits = self.cached_prefix(r) if self.prefix_cache else []
-        if self.prefix_cache and self.prefix_in_flight(r, len(hits)):
-            return False  # a running request is computing this prefix's next block: wait and share it
-        new_blocks = self.blocks_for(len(r.tokens)) - len(hits)
-        taken = new_blocks + sum(self.allocator.ref_count[b] == 0 for b in hits)  # free cached hits count
-        if taken + (self.watermark if self.running else 0) > self.allocator.num_free():
-            return False
-        for block in hits:
-            self.allocator.share(block)
-        r.block_table = hits + self.allocator.allocate_n(new_blocks)
-        r.num_computed = len(hits) * self.block_size
-        self.admitted_tokens += len(r.tokens)
-        self.cached_tokens += r.num_computed
-        self.start(r)
-        self.block_tables[r.row, :len(r.block_table)] = torch.tensor(r.block_table, dtype=torch.int32)
-        return True
+        """Admit r (with the rest of its beam group, if preempted as one) if free blocks cover its tokens,
+        less those the prefix cache holds, and the copies its forks will make of a shared last block, and
+        leave the watermark. -> the admitted; none if r waits, and so does everyone behind it."""
+        group = list(itertools.takewhile(lambda s: s.root is r.root, self.waiting)) if r.num_beams > 1 else [r]
+        if sum(s.width() for s in self.running + group) > self.max_running:
+            return []
+        hits = [self.cached_prefix(s) if self.prefix_cache else [] for s in group]
+        if len(group) == 1 and self.prefix_cache and self.prefix_in_flight(r, len(hits[0])):
+            return []  # a running request is computing this prefix's next block: wait and share it
+        new_blocks = [self.blocks_for(len(s.tokens)) - len(h) for s, h in zip(group, hits)]
+        revived = {b for h in hits for b in h if self.allocator.ref_count[b] == 0}  # free cached hits count
+        copies = (r.width() - 1) * (len(r.tokens) % self.block_size > 0)  # alone, its forks may preempt each other
+        if sum(new_blocks) + len(revived) + (copies + self.watermark) * bool(self.running) > self.allocator.num_free():
+            return []
+        for s, h, n in zip(group, hits, new_blocks):
+            for block in h:
+                self.allocator.share(block)
+            s.block_table = h + self.allocator.allocate_n(n)
+            s.num_computed = len(h) * self.block_size
+            self.admitted_tokens += len(s.tokens)
+            self.cached_tokens += s.num_computed
+            self.waiting.popleft()
+            self.start(s)
+            self.block_tables[s.row, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
+        return group
 
     def block_tokens(self, r, k):
-        return tuple(r.tokens[k * self.block_size:(k + 1) * self.block_size])
+        return tuple(r.tokens[k * self.block_size : (k + 1) * self.block_size])
 
     def block_hash(self, r, k):
         """Chained: block k's hash covers block k-1's, so a hit on block k means blocks 0..k all match."""
@@ -394,10 +417,16 @@ class Scheduler(Engine):
             for k in range((r.num_computed - n) // self.block_size, r.num_computed // self.block_size):
                 self.allocator.register(r.block_table[k], self.block_hash(r, k), self.block_tokens(r, k))
 
+    def forked(self, r, child):
+        for block in r.block_table:
+            self.allocator.share(block)
+        self.block_tables[child.row] = self.block_tables[r.row]
+
     def make_batch(self, plan, ready, tokens):
         compiled = self.compile != "off" and sum(n == 1 for _, n in plan) >= self.compile_from
-        return PagedBatch(self.k_pool, self.v_pool, self.block_tables, tokens, [r.row for r, _ in plan],
-                          [r.num_computed for r, _ in plan], [n for _, n in plan], ready, compiled)
+        rows, starts = [r.row for r, _ in plan], [r.num_computed for r, _ in plan]
+        lens = [n for _, n in plan]
+        return PagedBatch(self.k_pool, self.v_pool, self.block_tables, tokens, rows, starts, lens, ready, compiled)
 
     def release(self, r):
         self.allocator.free(r.block_table)
@@ -406,6 +435,10 @@ class Scheduler(Engine):
     def kv_slots(self):
         allocated = (self.allocator.num_blocks - self.allocator.num_free()) * self.block_size
         shared_again = self.allocator.num_extra_holds * self.block_size  # counted by each extra holder
+        # forks share a partly filled last block until they write: its extra holders counted its empty slots too
+        bs, ref_count = self.block_size, self.allocator.ref_count
+        partial = {r.block_table[-1]: r.num_computed % bs for r in self.running if r.num_computed % bs}
+        shared_again -= sum((ref_count[b] - 1) * (bs - n) for b, n in partial.items())
         # admission allocates a whole prompt's blocks; those past its computed tokens are held ahead
         ahead = sum(len(r.block_table) - self.blocks_for(r.num_computed) for r in self.running) * self.block_size
-        return allocated, sum(r.num_computed for r in self.running) - shared_again, ahead
+        return dict(allocated=allocated, used=sum(r.num_computed for r in self.running) - shared_again, ahead=ahead)

@@ -7,7 +7,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from model import GPT, GPTConfig  # noqa: E402
-from scheduler import ContiguousEngine, Request  # noqa: E402
+from generate import ContiguousEngine  # noqa: E402
+from scheduler import Request  # noqa: E402
 
 torch.set_num_threads(1)  # tests are many small ops; threads only add overhead on 2 cores
 
@@ -56,10 +57,28 @@ def check_invariants(engine):
     assert all(alloc.hash_of[b] == h and alloc.cache[h][0] == b for h, (b, _) in alloc.cache.items())
     assert len(alloc.cache) == len(alloc.hash_of)
     assert alloc.num_extra_holds == sum(max(0, n - 1) for n in holders)
+    bs = engine.block_size  # slots holding K/V, each counted once however many sequences share its block
+    written = {(r.block_table[p // bs], p % bs) for r in engine.running for p in range(r.num_computed)}
+    assert engine.kv_slots()["used"] == len(written)
+
+
+def check_writes(engine):
+    """Wrap the engine's make_batch so that every step asserts that each block it writes is held once:
+    a block shared by forks or the prefix cache is never written (copy-on-write copies it first)."""
+    make_batch = engine.make_batch
+
+    def checked(plan, ready, tokens):
+        batch = make_batch(plan, ready, tokens)
+        for block in (batch.slots // engine.block_size).unique().tolist():
+            assert engine.allocator.ref_count[block] == 1, f"block {block} is written while {engine.allocator.ref_count[block]} hold it"
+        return batch
+    engine.make_batch = checked
 
 
 def run_engine(engine, requests, arrivals=None, check=False):
     """Add each request at its arrival step (default: all at step 0) and step until all are done."""
+    if check and hasattr(engine, "allocator"):
+        check_writes(engine)
     arrivals = arrivals or [0] * len(requests)
     pending = sorted(zip(arrivals, range(len(requests))))
     step = 0

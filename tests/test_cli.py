@@ -9,7 +9,8 @@ from test_model import save_nanogpt_ckpt
 import generate
 from generate import metrics, percentile
 from model import GPT, GPTConfig
-from scheduler import ContiguousEngine, Request, Scheduler
+from generate import ContiguousEngine
+from scheduler import Request, Scheduler
 
 
 @pytest.fixture(scope="module")

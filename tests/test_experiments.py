@@ -9,7 +9,8 @@ from conftest import baseline, make_requests, tiny_gpt
 from test_model import save_nanogpt_ckpt
 
 import generate
-from scheduler import ContiguousEngine, Scheduler
+from generate import ContiguousEngine
+from scheduler import Scheduler
 
 
 class FakeClock:

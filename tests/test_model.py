@@ -8,7 +8,8 @@ from conftest import baseline, make_requests, run_engine, tiny_gpt
 import generate
 from model import GPT, GPTConfig
 from paged import PagedBatch
-from scheduler import ContiguousBatch, ContiguousEngine, Request, sample, uniform
+from generate import ContiguousBatch, ContiguousEngine
+from scheduler import Request, sample, uniform
 from train_tiny import get_tokenizer, load_checkpoint, shakespeare
 
 
