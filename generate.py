@@ -122,7 +122,7 @@ def mean(values):
 
 def metrics(engine, wall_s, rate, kv_budget):
     reqs, stats = engine.finished, engine.stats
-    out = sum(len(r.generated) for r in reqs)
+    out = sum(len(s.generated) for r in reqs for s in returned(r))
     ttft = [(r.first_token_at - r.arrival) * 1000 for r in reqs]
     latency = [(r.done_at - r.arrival) * 1000 for r in reqs]  # end to end, from arrival to the last token
     tpot = [(r.done_at - r.first_token_at) * 1000 / (len(r.generated) - 1) for r in reqs if len(r.generated) > 1]
@@ -194,7 +194,7 @@ def make_engine(model, kind, args, prompts, news, num_tokens):
         return ContiguousEngine(model, args.max_batch, num_tokens, args.kv_budget, kind.partition("_")[2] or "max")
     bs = args.block_size
     num_blocks = (args.kv_budget // bs if args.kv_budget else args.num_blocks) or \
-        sum(-(-(len(p) + n - 1) // bs) for p, n in zip(prompts, news))  # default: every request at once
+        sum(-(-(len(p) + n - 1) // bs) for p, n in zip(prompts, news)) * max(args.num_samples, args.num_beams)  # default: every request at once
     return Scheduler(model, num_blocks, bs, args.token_budget, args.max_batch, kind == "paged_prefix", num_tokens,
                      compile=args.compile)
 
@@ -222,6 +222,11 @@ def warm_up(engine, num_sequences):
     batch.attend_single(0, q)
     done.set()
     print(f"\r{what}: done in {time.time() - start:.1f} s", flush=True)
+
+def make_requests(args, prompts, news):
+    return [Request(p, n, args.temperature, args.top_k, seed=args.seed + i * args.num_samples, n=args.num_samples,
+                    num_beams=args.num_beams, length_penalty=args.length_penalty)
+            for i, (p, n) in enumerate(zip(prompts, news))]
 
 def serve(engine, requests, args, rate):
     """Run one engine over the requests, arriving at `rate` -> its metrics."""
@@ -290,10 +295,15 @@ def parse_args(argv=None):
     p.add_argument("--ckpt", default="out/ckpt.pt", help="nanoGPT checkpoint; the default is trained if missing")
     p.add_argument("--prompt", action="append", help="a prompt; repeatable (default: four speaker names)")
     p.add_argument("--prompts", help="a UTF-8 file with one prompt per line, \\n for a newline")
-    p.add_argument("--num-samples", type=number_type(1), default=1, help="samples per prompt")
+    p.add_argument("--num-samples", type=number_type(1), default=1,
+                   help="samples per prompt: one prefill, then forks that share its blocks; sample i is seeded seed + i")
+    p.add_argument("--num-beams", type=number_type(1), default=1,
+                   help="beam search with this many beams (greedy, as transformers' num_beams); prints the best")
+    p.add_argument("--length-penalty", type=number_type(kind=float), default=1.0,
+                   help="beam scores are divided by (new tokens) ** this, as transformers' length_penalty")
     p.add_argument("--max-new-tokens", type=number_type(1), help="tokens generated per prompt (default: 100)")
-    p.add_argument("--temperature", type=number_type(0.0, kind=float), default=0.8, help="0 means greedy")
-    p.add_argument("--top-k", type=number_type(1), default=200, help="sample among the k likeliest tokens")
+    p.add_argument("--temperature", type=number_type(0.0, kind=float), help="0 means greedy; with --num-beams it must be 0 (default: 0.8)")
+    p.add_argument("--top-k", type=number_type(1), help="sample among the k likeliest tokens; none with --num-beams (default: 200)")
     p.add_argument("--seed", type=int, default=1337, help="seeds sampling, the workload and arrivals")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"], help="model and KV dtype; float64 for exact equivalence checks")
@@ -325,9 +335,14 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     for flag, value, needs, present in [("--reserve", args.reserve, "--kv-budget", args.kv_budget),
                                         ("--sweep-rates", args.sweep_rates, "--compare", args.compare),
-                                        ("--num-blocks", args.num_blocks, "no --kv-budget", not args.kv_budget)]:
+                                        ("--num-blocks", args.num_blocks, "no --kv-budget", not args.kv_budget),
+                                        ("--length-penalty", args.length_penalty != 1, "--num-beams", args.num_beams > 1)]:
         if value and not present:
             fail(f"{flag} needs {needs}")
+    if args.num_beams > 1 and (args.num_samples > 1 or args.temperature or args.top_k):
+        fail(f"--num-beams {args.num_beams} is greedy beam search: it takes no --num-samples, --temperature or --top-k")
+    args.temperature = (0.0 if args.num_beams > 1 else 0.8) if args.temperature is None else args.temperature
+    args.top_k = 200 if args.top_k is None and args.num_beams == 1 else args.top_k
     if args.kv_budget and args.kv_budget < args.block_size:
         fail(f"--kv-budget {args.kv_budget} slots hold no block of --block-size {args.block_size}")
     workload_run = args.num_requests or (args.compare and not (args.prompt or args.prompts))
@@ -362,13 +377,28 @@ def read_prompts(args, enc):
             fail(f"--prompts file {args.prompts} is not UTF-8 text: {e.reason} at byte {e.start}")
         if not texts:
             fail(f"--prompts file {args.prompts} holds no prompt")
-    texts = [t for t in texts or ["ROMEO:\n", "JULIET:\n", "HAMLET:\n", "KING LEAR:\n"] for _ in range(args.num_samples)]
+    texts = texts or ["ROMEO:\n", "JULIET:\n", "HAMLET:\n", "KING LEAR:\n"]
     prompts = [enc.encode(t, allowed_special={"<|endoftext|>"}) for t in texts]  # Engine.add checks each
     return texts, prompts, [args.max_new_tokens] * len(prompts)
 
+def returned(r):
+    """What a request gives back: its n samples, or its one sequence (the best beam: the JSON lists all)."""
+    return r.sequences if r.n > 1 else [r]
+
+def outputs(r):
+    return [s.generated for s in returned(r)]
+
 def request_json(texts, requests, enc):
-    return [{"index": i, "prompt": texts[i], "prompt_tokens": r.tokens[:r.num_prompt], "output_tokens": r.generated,
-             "text": enc.decode(r.generated)} for i, r in enumerate(requests) if r.status == "done"]
+    done = []
+    for i, r in enumerate(requests):
+        if r.status != "done":
+            continue
+        done.append({"index": i, "prompt": texts[i], "prompt_tokens": r.tokens[:r.num_prompt], "output_tokens": r.generated,
+                     "text": enc.decode(r.generated)})
+        if r.n > 1 or r.num_beams > 1:  # samples in order; beams best first, with HF's length-penalized score
+            done[-1]["sequences"] = [dict(output_tokens=s.generated, text=enc.decode(s.generated), seed=s.seed,
+                                          **(dict(score=s.score) if r.num_beams > 1 else {})) for s in r.sequences]
+    return done
 
 def main(argv=None):
     args = parse_args(argv)
@@ -406,19 +436,22 @@ def main(argv=None):
     try:
         for kind in kinds:  # untimed: first calls pay one-time setup, which would bias the first design run
             engine = make_engine(model, kind, args, prompts, news, enc.n_vocab)
-            warm_up(engine, len(prompts))
+            for r in make_requests(args, prompts, news):  # refuse what can never run before compiling anything
+                engine.check(r)
+            warm_up(engine, len(prompts) * max(args.num_samples, args.num_beams))
             engine.run([Request(p[:16], 2) for p in prompts[:2]])
         for rate in args.sweep_rates or [args.request_rate]:
             runs = {}
             for kind in kinds:
                 engine = make_engine(model, kind, args, prompts, news, enc.n_vocab)
-                requests = [Request(p, n, args.temperature, args.top_k, seed=args.seed + i) for i, (p, n) in enumerate(zip(prompts, news))]
+                requests = make_requests(args, prompts, news)
                 runs[kind] = serve(engine, requests, args, rate)
                 all_stats[kind] = engine.stats
                 if kind == kinds[0]:
                     first = requests
                 else:  # token for token against the first run, on the same workload
-                    runs[kind]["same_output_pct"] = 100 * sum(r.generated == f.generated for r, f in zip(requests, first)) / len(requests)
+                    same = sum(outputs(r) == outputs(f) for r, f in zip(requests, first))
+                    runs[kind]["same_output_pct"] = 100 * same / len(requests)
             sweep.append({"request_rate": rate, "runs": runs})
             if args.sweep_rates:
                 print(f"--- request rate {rate:g}/s\n{table(runs)}", flush=True)
@@ -437,7 +470,10 @@ def main(argv=None):
         workload_name += f", KV budget {args.kv_budget:,} slots"
     if not args.num_requests and not args.compare:
         for i, r in enumerate(requests):
-            print(f"--- request {i}, {len(r.generated)} new tokens\n{texts[i]}{enc.decode(r.generated)}")
+            for j, s in enumerate(returned(r)):
+                which = f", sample {j} (seed {s.seed})" if r.n > 1 else ""
+                which += f", best of {r.num_beams} beams (score {r.sequences[0].score:.4f})" if r.num_beams > 1 else ""
+                print(f"--- request {i}{which}, {len(s.generated)} new tokens\n{texts[i]}{enc.decode(s.generated)}")
         m = runs[kinds[0]]
         print(f"--- {LABELS[kinds[0]]}: {m['output_tokens']:,} new tokens in {m['wall_s']:.2f} s, "
               f"{m['output_tok_s']:,.0f} tok/s ({args.device}, {args.dtype})")

@@ -24,7 +24,10 @@ BPE_SHA256 = ("1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
               "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783")  # encoder.json
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """--help keeps the docstring's lines and shows every flag's default."""
+    """--help keeps the docstring's lines and shows every flag's default, unless its help already says it."""
+
+    def _get_help_string(self, action):
+        return action.help if "(default:" in action.help else super()._get_help_string(action)
 
 def get_tokenizer(vocab_size):
     """GPT-2's BPE, or below 50257 its first vocab_size - 1 merges plus <|endoftext|> as the last id:

@@ -161,7 +161,7 @@ def main():
         blocks = 64 * -(-(lo + 32) // 16)
         print(summary(f"prompts of {lo}, ~{blocks:,} blocks held", xs, " ms", 1000))
 
-    print(f"-- sampling against greedy: 64 prompts of 16 tokens, 128 new, max_batch 64")
+    print("-- sampling against greedy: 64 prompts of 16 tokens, 128 new, max_batch 64")
     wl = argparse.Namespace(seed=3, prompt_len=(16, 16), new_tokens=(128, 128), shared_prefix=0, num_requests=64)
     ps, ns = workload(enc, wl)
     greedy, sampled, ratio, sample_ms, argmax_ms = [], [], [], [], []

@@ -7,9 +7,8 @@ from conftest import run_engine, tiny_gpt
 from test_model import save_nanogpt_ckpt
 
 import generate
-from generate import metrics, percentile
+from generate import ContiguousEngine, metrics, percentile
 from model import GPT, GPTConfig
-from generate import ContiguousEngine
 from scheduler import Request, Scheduler
 
 
@@ -177,3 +176,39 @@ def test_compare_serves_the_users_own_prompts(ckpt, tmp_path):
     runs = json.loads((tmp_path / "c.json").read_text())["runs"]
     assert set(runs) == {"contiguous", "paged", "paged_prefix"}
     assert all(m["output_tokens"] == 7 for m in runs.values())
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--num-beams", "2", "--temperature", "0.8"], "--num-beams 2 is greedy beam search"),
+    (["--num-beams", "2", "--top-k", "5"], "--num-beams 2 is greedy beam search"),
+    (["--num-beams", "2", "--num-samples", "3"], "--num-beams 2 is greedy beam search"),
+    (["--num-beams", "0"], "argument --num-beams: 0 is below 1"),
+    (["--num-samples", "0"], "argument --num-samples: 0 is below 1"),
+    (["--length-penalty", "0.5"], "--length-penalty needs --num-beams"),
+    (["--num-beams", "9", "--max-batch", "8", "--paged", "--max-new-tokens", "9"], "9 sequences of one request exceed the 8 that run at once"),
+    (["--num-beams", "4", "--paged", "--num-blocks", "10", "--block-size", "4", "--max-new-tokens", "20"],
+     "needs 7 blocks of 4 for each of 4 beams, but the pool has only 10"),
+])
+def test_bad_sample_and_beam_flags_are_one_line_errors(ckpt, argv, message):
+    assert message in one_line_error(["--ckpt", ckpt, "--prompt", "ROMEO:"] + argv)
+
+
+def test_num_samples_and_beams_print_and_write_every_sequence(ckpt, tmp_path, capsys):
+    out = tmp_path / "s.json"
+    generate.main(["--ckpt", ckpt, "--paged", "--prompt", "ROMEO:", "--num-samples", "3", "--max-new-tokens", "6",
+                   "--json", str(out)])
+    text = capsys.readouterr().out
+    assert text.count("--- request 0, sample") == 3 and "18 new tokens in" in text
+    request = json.loads(out.read_text())["requests"][0]
+    assert [s["seed"] for s in request["sequences"]] == [1337, 1338, 1339]
+    assert request["output_tokens"] == request["sequences"][0]["output_tokens"]
+    generate.main(["--ckpt", ckpt, "--paged", "--prompt", "ROMEO:", "--num-beams", "3", "--max-new-tokens", "6",
+                   "--length-penalty", "0.5", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert text.count("--- request 0, best of 3 beams (score") == 1 and "6 new tokens in" in text
+    beams = json.loads(out.read_text())["requests"][0]["sequences"]
+    assert len(beams) == 3 and [b["score"] for b in beams] == sorted((b["score"] for b in beams), reverse=True)
+    contiguous = tmp_path / "c.json"
+    generate.main(["--ckpt", ckpt, "--prompt", "ROMEO:", "--num-beams", "3", "--max-new-tokens", "6",
+                   "--length-penalty", "0.5", "--json", str(contiguous)])
+    assert json.loads(contiguous.read_text())["requests"][0]["sequences"] == beams

@@ -8,7 +8,7 @@ from test_model import save_nanogpt_ckpt
 
 import generate
 from model import GPT, GPTConfig
-from scheduler import Scheduler
+from scheduler import Request, Scheduler
 from train_tiny import get_tokenizer, load_checkpoint, shakespeare
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # everything loads from the exported folder; nothing may be fetched
@@ -74,3 +74,32 @@ def test_export_errors_are_one_line(tmp_path):
             generate.main(["--ckpt", str(tmp_path / ckpt), "--export-hf", str(tmp_path / out)])
         assert e.value.code.startswith("error: ") and "\n" not in e.value.code and message in e.value.code
     assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_beam_search_equals_transformers_generate_with_num_beams(tmp_path, k):
+    """Random GPT-2-vocabulary weights in float64, through the paged engine with a roomy pool and with
+    one so small that beam groups are preempted: the best beam, every other beam in order, and their
+    length-penalized scores, as HF's generate(num_beams=k, do_sample=False, num_return_sequences=k)."""
+    torch.manual_seed(2)
+    model = GPT(GPTConfig(block_size=64, vocab_size=50304, n_layer=2, n_head=2, n_embd=32)).eval()
+    ours, out = export(tmp_path, model)
+    hf = transformers.GPT2LMHeadModel.from_pretrained(out).eval().to(torch.float64)
+    hf.generation_config.eos_token_id = None  # no end-of-text in play: ours generates exactly max_new_tokens
+    prompts = [torch.randint(0, 50257, (n,)).tolist() for n in (3, 11, 20, 7)]
+    news = [9, 14, 6, 12]
+    want = []
+    for prompt, n in zip(prompts, news):
+        result = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=n, do_sample=False, num_beams=k, num_return_sequences=k,
+                             length_penalty=0.7, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+        want.append(([s[len(prompt):].tolist() for s in result.sequences], result.sequences_scores.tolist()))
+    ours = ours.to(torch.float64)
+    for num_blocks in (200, 8 * k):
+        engine = Scheduler(ours, num_blocks, block_size=4, max_batch=4 * k, num_tokens=50257)
+        requests = [Request(p, n, num_beams=k, length_penalty=0.7) for p, n in zip(prompts, news)]
+        run_engine(engine, requests, check=True)
+        assert engine.num_preemptions > 0 or num_blocks == 200
+        for r, (sequences, scores) in zip(requests, want):
+            assert r.generated == sequences[0] and [s.generated for s in r.sequences] == sequences
+            torch.testing.assert_close([s.score for s in r.sequences], scores, rtol=1e-6, atol=1e-6)
