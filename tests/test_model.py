@@ -195,8 +195,9 @@ def test_cli_json_holds_requests_in_order_and_metrics(tiny_ckpt, tmp_path):
         generate.main(["--ckpt", tiny_ckpt, "--prompt", "ROMEO:", "--prompt", "To be, or not", "--num-samples", "2",
                        "--max-new-tokens", "10", "--temperature", "0", "--json", str(out), *paged])
         data = json.loads(out.read_text())
-        assert [r["prompt"] for r in data["requests"]] == ["ROMEO:", "ROMEO:", "To be, or not", "To be, or not"]
-        assert all(len(r["output_tokens"]) == 10 for r in data["requests"])
+        assert [r["prompt"] for r in data["requests"]] == ["ROMEO:", "To be, or not"]  # samples: one entry each
+        assert all(len(r["sequences"]) == 2 for r in data["requests"])
+        assert all(len(s["output_tokens"]) == 10 for r in data["requests"] for s in r["sequences"])
         for key in ["output_tokens", "wall_s", "output_tok_s", "ttft_ms_mean", "ttft_ms_p90", "tpot_ms_mean", "steps",
                     "prefill_tokens"]:
             assert key in data["metrics"]
@@ -205,8 +206,8 @@ def test_cli_json_holds_requests_in_order_and_metrics(tiny_ckpt, tmp_path):
                         "prefix_hit_rate", "preemptions"]:
                 assert key in data["metrics"]
         else:
-            greedy = [r["output_tokens"] for r in data["requests"]]
-    assert greedy == [r["output_tokens"] for r in data["requests"]]  # paged == contiguous, greedy
+            greedy = [s["output_tokens"] for r in data["requests"] for s in r["sequences"]]
+    assert greedy == [s["output_tokens"] for r in data["requests"] for s in r["sequences"]]  # paged == contiguous
 
 
 def test_train_tiny_writes_a_nanogpt_checkpoint_that_generate_loads(tmp_path):
