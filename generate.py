@@ -318,7 +318,7 @@ def parse_args(argv=None):
     p.add_argument("--no-prefix-cache", action="store_true", help="paged without sharing prompt blocks")
     p.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
                    help="paged decode attention through torch.compile (inductor). auto: always on a GPU; on a CPU for "
-                   "steps of 32 or more decode rows, where it measured faster, after a one-time compile (~20 s, "
+                   "steps of 16 or more decode rows (measured as fast or faster), after a one-time compile (~20 s, "
                    "a few seconds once cached) shown before the run; off: gather blocks + SDPA")
     p.add_argument("--kv-budget", type=number_type(1), help="KV token slots every design must live within")
     p.add_argument("--reserve", choices=["max", "pow2", "oracle"], help="contiguous reservation under --kv-budget (default: max)")

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Regenerate the figures and tables in docs/ that the README shows (about 10 minutes on 2 CPU cores).
+# Regenerate the figures and tables in docs/ that the README shows (about 12 minutes on 2 CPU cores, and
+# 40 more for the last line, the compiled-attention table).
 # The README's own example commands write to out/ instead, so trying them never touches tracked files.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,3 +15,6 @@ run sweep --compare --kv-budget 4096 --num-requests 150 --prompt-len 8:128 --new
     --sweep-rates 10,15,20,30,40,60 --plot docs/sweep.png --json docs/sweep.json
 python bench/floor.py > docs/floor.txt
 python bench/floor.py --vocab-size 50304 > docs/floor_50k.txt
+python bench/fork_memory.py --plot docs/fork_memory.png > docs/fork_memory.txt
+python bench/fork_memory.py --prompt-len 8:32 --new-tokens 32:96 > docs/fork_memory_short_prompts.txt
+python bench/compile_cpu.py > docs/compile_cpu.txt    # about 40 minutes on 2 cores: 12-layer, 768-wide models
