@@ -142,7 +142,8 @@ class Engine:
         if not (math.isfinite(r.temperature) and r.temperature >= 0) or (r.top_k is not None and r.top_k < 1):
             raise ValueError(f"temperature {r.temperature} must be a finite number >= 0 and top_k {r.top_k} >= 1")
         if min(r.n, r.num_beams) < 1 or (r.num_beams > 1 and (r.n > 1 or r.temperature > 0 or r.top_k)):
-            raise ValueError(f"n {r.n} and num_beams {r.num_beams} must be at least 1; beam search is greedy: no n")
+            raise ValueError(f"n {r.n} and num_beams {r.num_beams} must be at least 1; beam search is greedy: "
+                             "it takes no n, temperature or top_k")
         if r.width() > self.max_running:
             raise ValueError(f"{r.width()} sequences of one request exceed the {self.max_running} that run at once")
 
@@ -244,8 +245,9 @@ class Engine:
         top = scores.flatten().topk(min(root.num_beams, scores.numel()))  # the first step may have fewer
         V = scores.shape[1]
         picks = [(beams[i // V], i % V, score) for i, score in zip(top.indices.tolist(), top.values.tolist())]
+        parents = {id(parent) for parent, _, _ in picks}
         for b in beams:
-            if all(b is not parent for parent, _, _ in picks):
+            if id(b) not in parents:
                 self.stop(b, "dead")
         taken, root.sequences = set(), []
         for parent, token, score in picks:  # forks first take a copy of the parent's tokens, before it grows
