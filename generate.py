@@ -15,92 +15,72 @@ import random
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import torch
-from torch.nn.utils.rnn import pad_sequence
 
-from model import attend
-from paged import PagedBatch, StepBatch
-from scheduler import Engine, Request, Scheduler
+from bench.contiguous import ContiguousEngine
+from scheduler import PagedEngine, Request, blocks_for
 from train_tiny import HelpFormatter, export_hf, get_tokenizer, load_checkpoint, shakespeare, train
 
-class ContiguousBatch(StepBatch):
-    """The baseline's cache seen by one forward: each request's K/V are its own tensors, grown by
-    torch.cat every step; decode rows are padded side by side to attend in one call."""
 
-    def __init__(self, plan, ready, tokens, device):
-        self.requests, lens = zip(*plan)
-        super().__init__(tokens, [r.row for r in self.requests], [r.num_computed for r in self.requests], lens, ready)
-        self.stage(device)
+class Meter:
+    """What the experiments read of an engine, recorded from outside it (the engine keeps no measurements):
+    each step's seconds (plan to sampled tokens), running sequences, keys attended and KV slots; prefill
+    tokens; admitted and prefix-cached tokens; preemptions. It wraps four of the engine's methods."""
 
-    def store(self, layer, k, v):  # k, v: (N, H, D)
-        for r, (a, b) in zip(self.requests, self.spans):
-            r.k[layer] = torch.cat([r.k[layer], k[a:b]])
-            r.v[layer] = torch.cat([r.v[layer], v[a:b]])
+    def __init__(self, engine):
+        self.engine, self.steps, self.step_start = engine, [], None
+        self.prefill_tokens = self.admitted_tokens = self.cached_tokens = self.num_preemptions = 0
+        plan_step, sample = engine.plan_step, engine.sample
+        admit, preempt = getattr(engine, "admit", None), getattr(engine, "preempt", None)
 
-    def attend_single(self, layer, q):  # q: (S, H, D)
-        decoding = self.requests[:self.num_single]
-        k = pad_sequence([r.k[layer] for r in decoding], batch_first=True)  # (S, L, H, D)
-        v = pad_sequence([r.v[layer] for r in decoding], batch_first=True)
-        return attend(q[:, None], k, v, self.single_pos)[:, 0]
+        def planned():
+            plan = plan_step()
+            self.step_start = engine.clock.now()
+            self.prefill_tokens += sum(n for s, n in plan if s.status == "prefilling")
+            self.plan = plan
+            return plan
 
-    def cached_kv(self, layer, i):  # request i's K/V: (1, L, H, D) each
-        return self.requests[i].k[layer][None], self.requests[i].v[layer][None]
+        def sampled(*args):
+            tokens = sample(*args)
+            keys = sum(s.num_computed for s, _ in self.plan)
+            seconds = engine.clock.now() - self.step_start
+            self.steps.append(dict(seconds=seconds, running=len(engine.running), keys=keys, **kv_slots(engine)))
+            return tokens
 
-class ContiguousEngine(Engine):
-    """Continuous batching without paging: up to max_batch requests run; a new one is prefilled whole
-    in the same forward that decodes the others. Under a KV budget (token slots), a request is admitted
-    only if its reservation fits in what is left, and holds it until it finishes, as the vLLM paper's
-    baselines do: the whole context (max: FasterTransformer, Orca (Max)), prompt + max_new_tokens
-    rounded up to a power of two (pow2: Orca (Pow2)), or exactly (oracle: Orca (Oracle))."""
+        def admitted(s):
+            group = admit(s)
+            self.admitted_tokens += sum(len(x.tokens) for x in group)
+            self.cached_tokens += sum(x.num_computed for x in group)
+            return group
 
-    def __init__(self, model, max_batch=64, num_tokens=None, kv_budget=None, reserve="max", clock=None):
-        super().__init__(model, max_batch, num_tokens, clock)
-        if reserve not in ("max", "pow2", "oracle") or (kv_budget is not None and kv_budget < 1):
-            raise ValueError(f"reserve {reserve!r} must be max, pow2 or oracle, and kv_budget {kv_budget} at least 1")
-        self.kv_budget, self.reserve, self.reserved = kv_budget, reserve, 0
+        def preempted(s):
+            self.num_preemptions += 1
+            preempt(s)
+        engine.plan_step, engine.sample = planned, sampled
+        if admit:
+            engine.admit, engine.preempt = admitted, preempted
 
-    def reservation(self, r):
-        need = r.num_prompt + r.max_new_tokens
-        return min(self.context, dict(max=self.context, pow2=1 << (need - 1).bit_length(), oracle=need)[self.reserve])
 
-    def check(self, r):
-        super().check(r)
-        if self.kv_budget is not None and self.reservation(r) > self.kv_budget:
-            raise ValueError(f"a request of {r.num_prompt} + {r.max_new_tokens} tokens reserves {self.reservation(r)} "
-                             f"slots under --reserve {self.reserve}, but the KV budget is {self.kv_budget} slots")
-
-    def fits(self, r):  # a request reserves for all the sequences it will fork into
-        return self.kv_budget is None or self.reserved + self.reservation(r) * r.width() <= self.kv_budget
-
-    def schedule(self):
-        c, dtype = self.model.config, self.model.lm_head.weight.dtype
-        while self.waiting and sum(s.width() for s in self.running + [self.waiting[0]]) <= self.max_batch:
-            if not self.fits(self.waiting[0]):
-                break
-            r = self.waiting.popleft()
-            self.reserved += self.reservation(r) * r.width()
-            empty = torch.empty(0, c.n_head, c.n_embd // c.n_head, device=self.device, dtype=dtype)
-            r.k, r.v = [empty] * c.n_layer, [empty] * c.n_layer
-            self.start(r)
-        return [(r, len(r.tokens) - r.num_computed) for r in self.running]
-
-    def make_batch(self, plan, ready, tokens):
-        return ContiguousBatch(plan, ready, tokens, self.device)
-
-    def forked(self, r, child):  # torch.cat makes a new tensor on every append: sharing the old ones is safe
-        child.k, child.v = list(r.k), list(r.v)
-
-    def release(self, r):
-        r.k = r.v = None
-        if r.status != "dead":  # a dead beam's reservation passes to the fork that replaces it
-            self.reserved -= self.reservation(r)
-
-    def kv_slots(self):  # slots (allocated, holding a token's K/V, allocated ahead for tokens to come)
-        used = sum(r.num_computed for r in self.running)
-        allocated = used if self.kv_budget is None else self.reserved  # unbudgeted, torch.cat holds just the tokens
+def kv_slots(engine):
+    """KV token slots: allocated, holding a token's K/V (once, however many sequences share it), and
+    allocated ahead of the tokens to come (a paged prompt's blocks, a contiguous reservation)."""
+    used = sum(s.num_computed for s in engine.running)
+    if isinstance(engine, ContiguousEngine):  # unbudgeted, torch.cat holds just the tokens
+        allocated = used if engine.kv_budget is None else engine.reserved
         return dict(allocated=allocated, used=used, ahead=allocated - used)
+    bs, full, partial = engine.block_size, set(), {}
+    for s in engine.running:  # a shared block is full, or the shared last block of forks that have not written
+        k, n = divmod(s.num_computed, bs)
+        full.update(s.block_table[:k])
+        partial.update({s.block_table[k]: n} if n else {})
+    used = len(full) * bs + sum(n for block, n in partial.items() if block not in full)
+    allocated = (engine.allocator.num_blocks - engine.allocator.num_free()) * bs
+    ahead = sum(len(s.block_table) - blocks_for(s.num_computed, bs) for s in engine.running) * bs
+    return dict(allocated=allocated, used=used, ahead=ahead)
+
 
 LABELS = {"contiguous": "contiguous", "contiguous_max": "contiguous, reserve max", "paged": "paged",
           "contiguous_pow2": "contiguous, reserve pow2", "contiguous_oracle": "contiguous, reserve oracle",
@@ -120,8 +100,8 @@ def mean(values):
     values = list(values)
     return sum(values) / len(values) if values else None
 
-def metrics(engine, wall_s, rate, kv_budget):
-    reqs, stats = engine.finished, engine.stats
+def metrics(meter, wall_s, rate, kv_budget):
+    engine, reqs, stats = meter.engine, meter.engine.finished, meter.steps
     out = sum(len(s.generated) for r in reqs for s in returned(r))
     ttft = [(r.first_token_at - r.arrival) * 1000 for r in reqs]
     latency = [(r.done_at - r.arrival) * 1000 for r in reqs]  # end to end, from arrival to the last token
@@ -132,16 +112,16 @@ def metrics(engine, wall_s, rate, kv_budget):
              tpot_ms_mean=mean(tpot),  # None (not applicable) when no request made a second token
              latency_ms_mean=mean(latency), latency_ms_p50=percentile(latency, 50), latency_ms_p90=percentile(latency, 90),
              latency_ms_p99=percentile(latency, 99), normalized_latency_ms=mean(t / len(r.generated) for t, r in zip(latency, reqs)),
-             request_rate=rate, steps=len(stats), prefill_tokens=engine.prefill_tokens, preemptions=engine.num_preemptions,
+             request_rate=rate, steps=len(stats), prefill_tokens=meter.prefill_tokens, preemptions=meter.num_preemptions,
              running_peak=max(s["running"] for s in stats), running_mean=mean(s["running"] for s in stats),
              kv_budget_slots=kv_budget, kv_used_pct_mean=100 * mean(s["used"] / (kv_budget or max(1, s["allocated"])) for s in stats),
              kv_slots_allocated_peak=peak["allocated"], kv_slots_used_peak=peak["used"],
              # at peak allocation: unfilled tails of last blocks (fragmentation), and blocks held ahead of prefill
              kv_waste_pct=100 * (peak["allocated"] - peak["used"] - peak["ahead"]) / max(1, peak["allocated"]),
              kv_ahead_pct=100 * peak["ahead"] / max(1, peak["allocated"]), prefix_hit_rate=None)
-    if isinstance(engine, Scheduler):
+    if isinstance(engine, PagedEngine):
         m.update(num_blocks=engine.allocator.num_blocks, block_size=engine.block_size,
-                 prefix_hit_rate=engine.cached_tokens / max(1, engine.admitted_tokens))
+                 prefix_hit_rate=meter.cached_tokens / max(1, meter.admitted_tokens))
     return m
 
 def cell(v):
@@ -192,24 +172,23 @@ def arrivals(n, rate, seed):
 def make_engine(model, kind, args, prompts, news, num_tokens):
     if kind.startswith("contiguous"):
         return ContiguousEngine(model, args.max_batch, num_tokens, args.kv_budget, kind.partition("_")[2] or "max")
-    bs = args.block_size
-    num_blocks = (args.kv_budget // bs if args.kv_budget else args.num_blocks) or \
-        sum(-(-(len(p) + n - 1) // bs) for p, n in zip(prompts, news)) * max(args.num_samples, args.num_beams)  # default: every request at once
-    return Scheduler(model, num_blocks, bs, args.token_budget, args.max_batch, kind == "paged_prefix", num_tokens,
-                     compile=args.compile)
+    num_blocks = args.kv_budget // args.block_size if args.kv_budget else args.num_blocks
+    if not num_blocks:  # default: a pool that holds every sequence at once
+        width = max(args.num_samples, args.num_beams)
+        num_blocks = sum(blocks_for(len(p) + n - 1, args.block_size) for p, n in zip(prompts, news)) * width
+    return PagedEngine(model, num_blocks, args.block_size, args.token_budget, args.max_batch, kind == "paged_prefix",
+                       num_tokens, compile=args.compile)
 
 def warm_up(engine, num_sequences):
     """Compile the paged engine's decode attention before anything is timed, if its steps will use it,
     with a line that counts the seconds: the first compile on a machine takes ~20 s on a CPU, and
-    inductor's on-disk cache (under /tmp/torchinductor_$USER) brings later ones to a few seconds."""
-    if not isinstance(engine, Scheduler) or engine.compile == "off" or \
-            min(engine.max_batch, num_sequences) < engine.compile_from:
+    inductor's on-disk cache (under /tmp/torchinductor_$USER) brings later ones to a few seconds. It
+    serves one-token prompts through `engine`, which is then spent: time a fresh one."""
+    if not isinstance(engine, PagedEngine) or engine.compile == "off" or \
+            min(engine.max_running, num_sequences) < engine.compile_from:
         return
-    B, c = max(2, engine.compile_from), engine.model.config
-    batch = PagedBatch(engine.k_pool, engine.v_pool, engine.block_tables, torch.zeros(B, dtype=torch.long), [0] * B,
-                       [1] * B, [1] * B, [], compiled=True)
-    q = torch.zeros(B, c.n_head, c.n_embd // c.n_head, dtype=engine.k_pool.dtype, device=engine.device)
-    what, start, done = f"compiling decode attention (torch.compile, {engine.device.type}, {engine.k_pool.dtype})", time.time(), threading.Event()
+    what = f"compiling decode attention (torch.compile, {engine.device.type}, {engine.k_pool.dtype})"
+    start, done = time.time(), threading.Event()
 
     def tick():  # on a terminal, the seconds so far on one line
         while not done.wait(1.0):
@@ -219,7 +198,7 @@ def warm_up(engine, num_sequences):
     ticker = threading.Thread(target=tick, daemon=True)
     if sys.stdout.isatty():
         ticker.start()
-    batch.attend_single(0, q)
+    engine.run([Request([0], 1) for _ in range(max(2, engine.compile_from))])  # one step of one-token rows
     done.set()
     print(f"\r{what}: done in {time.time() - start:.1f} s", flush=True)
 
@@ -229,10 +208,11 @@ def make_requests(args, prompts, news):
             for i, (p, n) in enumerate(zip(prompts, news))]
 
 def serve(engine, requests, args, rate):
-    """Run one engine over the requests, arriving at `rate` -> its metrics."""
-    start = engine.clock.now()
+    """Run one engine over the requests, arriving at `rate` -> its metrics and its steps."""
+    meter, start = Meter(engine), engine.clock.now()
     engine.run(requests, [start + t for t in arrivals(len(requests), rate, args.seed)])
-    return metrics(engine, engine.clock.now() - start, rate, args.kv_budget)  # every step ends in a host transfer
+    wall_s = engine.clock.now() - start  # every step ends in a host transfer
+    return metrics(meter, wall_s, rate, args.kv_budget), meter.steps
 
 def plot(all_stats, sweep, path, title):
     import matplotlib
@@ -251,7 +231,7 @@ def plot(all_stats, sweep, path, title):
         for name, stats in all_stats.items():
             axes[0].plot([s["allocated"] for s in stats], label=LABELS[name])
             axes[1].plot([s["running"] for s in stats], label=LABELS[name])
-            axes[2].scatter([s["context"] for s in stats], [1000 * s["seconds"] for s in stats], s=6, label=LABELS[name])
+            axes[2].scatter([s["keys"] for s in stats], [1000 * s["seconds"] for s in stats], s=6, label=LABELS[name])
         axes[2].set_yscale("log")  # a whole-batch prefill step would flatten the rest
         panels = [("KV slots allocated", "step", "slots"), ("running requests", "step", "requests"),
                   ("step time vs context in batch", "keys attended in the step", "ms")]
@@ -382,8 +362,8 @@ def read_prompts(args, enc):
     return texts, prompts, [args.max_new_tokens] * len(prompts)
 
 def returned(r):
-    """What a request gives back: its n samples, or its one sequence (the best beam: the JSON lists all)."""
-    return r.sequences if r.n > 1 else [r]
+    """What a request gives back: its n samples, or its one sequence (the best beam; the JSON lists all)."""
+    return r.sequences if r.n > 1 else r.sequences[:1]
 
 def outputs(r):
     return [s.generated for s in returned(r)]
@@ -393,77 +373,59 @@ def request_json(texts, requests, enc):
     for i, r in enumerate(requests):
         if r.status != "done":
             continue
-        done.append({"index": i, "prompt": texts[i], "prompt_tokens": r.tokens[:r.num_prompt], "output_tokens": r.generated,
+        done.append({"index": i, "prompt": texts[i], "prompt_tokens": r.prompt, "output_tokens": r.generated,
                      "text": enc.decode(r.generated)})
         if r.n > 1 or r.num_beams > 1:  # samples in order; beams best first, with HF's length-penalized score
             done[-1]["sequences"] = [dict(output_tokens=s.generated, text=enc.decode(s.generated), seed=s.seed,
                                           **(dict(score=s.score) if r.num_beams > 1 else {})) for s in r.sequences]
     return done
 
-def main(argv=None):
-    args = parse_args(argv)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        fail(f"--device {args.device} asked for, but this torch sees no CUDA GPU")
-    if args.export_hf:  # no training on the way: exporting a checkpoint that is not there is an error
-        try:
-            export_hf(load_checkpoint(args.ckpt), args.export_hf)
-        except ValueError as e:
-            fail(e)
-        print(f"exported {args.ckpt} to {args.export_hf}: config.json, model.safetensors, vocab.json, merges.txt, "
-              "tokenizer_config.json")
-        return
+def load_model(args):
     if args.ckpt == "out/ckpt.pt" and not os.path.exists(args.ckpt):
         print("no checkpoint at out/ckpt.pt: training the tiny model first (1,000 iterations; 6.5 min on a 2-core Xeon)")
         train(out_dir="out", device=args.device)
     try:
         model = load_checkpoint(args.ckpt, args.device).to(getattr(torch, args.dtype))
-        enc = get_tokenizer(model.config.vocab_size)
+        return model, get_tokenizer(model.config.vocab_size)
     except ValueError as e:
         fail(e)
-    texts, prompts, news = read_prompts(args, enc)
+
+def choose_designs(args):
+    """The engines to run: every design with --compare; else the one that --paged and --kv-budget name."""
     if args.compare:
         kinds = ["contiguous_max", "contiguous_pow2", "contiguous_oracle"] if args.kv_budget else ["contiguous"]
-        kinds += ["paged", "paged_prefix"]
-    elif args.paged:
-        kinds = ["paged" if args.no_prefix_cache else "paged_prefix"]
-    else:
-        kinds = ["contiguous_" + (args.reserve or "max") if args.kv_budget else "contiguous"]
-    if args.kv_budget:
-        c = model.config  # one slot: one token's K and V in every layer and head
-        slot_bytes = 2 * c.n_layer * c.n_embd * model.lm_head.weight.element_size()
-        print(f"KV budget: {args.kv_budget:,} slots x {slot_bytes:,} bytes = {args.kv_budget * slot_bytes / 2**20:,.1f} MB")
-    sweep, runs, all_stats, requests = [], {}, {}, []
-    try:
-        for kind in kinds:  # untimed: first calls pay one-time setup, which would bias the first design run
-            engine = make_engine(model, kind, args, prompts, news, enc.n_vocab)
-            for r in make_requests(args, prompts, news):  # refuse what can never run before compiling anything
-                engine.check(r)
-            warm_up(engine, len(prompts) * max(args.num_samples, args.num_beams))
-            engine.run([Request(p[:16], 2) for p in prompts[:2]])
-        for rate in args.sweep_rates or [args.request_rate]:
-            runs = {}
-            for kind in kinds:
-                engine = make_engine(model, kind, args, prompts, news, enc.n_vocab)
-                requests = make_requests(args, prompts, news)
-                runs[kind] = serve(engine, requests, args, rate)
-                all_stats[kind] = engine.stats
-                if kind == kinds[0]:
-                    first = requests
-                else:  # token for token against the first run, on the same workload
-                    same = sum(outputs(r) == outputs(f) for r, f in zip(requests, first))
-                    runs[kind]["same_output_pct"] = 100 * same / len(requests)
-            sweep.append({"request_rate": rate, "runs": runs})
-            if args.sweep_rates:
-                print(f"--- request rate {rate:g}/s\n{table(runs)}", flush=True)
-    except ValueError as e:
-        fail(e)
-    except KeyboardInterrupt:  # keep what finished: the runs done, and the requests done in this one
-        done = request_json(texts, requests, enc)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"interrupted": True, "runs": runs, "requests": done}, f, indent=1)
-        fail(f"interrupted: {len(done)} of {len(requests)} requests of this run had finished"
-             + (f"; they and the finished runs are in {args.json}" if args.json else ""))
+        return kinds + ["paged", "paged_prefix"]
+    if args.paged:
+        return ["paged" if args.no_prefix_cache else "paged_prefix"]
+    return ["contiguous_" + (args.reserve or "max") if args.kv_budget else "contiguous"]
+
+def run_designs(model, kinds, args, prompts, news, num_tokens, results):
+    """Warm every design up untimed, then serve the workload with each, at each rate. results fills in as
+    runs finish, so that an interrupt keeps them."""
+    for kind in kinds:  # untimed: first calls pay one-time setup, which would bias the first design run
+        engine = make_engine(model, kind, args, prompts, news, num_tokens)
+        for r in make_requests(args, prompts, news):  # refuse what can never run before compiling anything
+            engine.check(r)
+        warm_up(engine, len(prompts) * max(args.num_samples, args.num_beams))
+        make_engine(model, kind, args, prompts, news, num_tokens).run([Request(p[:16], 2) for p in prompts[:2]])
+    for rate in args.sweep_rates or [args.request_rate]:
+        results.runs = {}
+        for kind in kinds:
+            engine = make_engine(model, kind, args, prompts, news, num_tokens)
+            results.requests = make_requests(args, prompts, news)
+            results.runs[kind], results.steps[kind] = serve(engine, results.requests, args, rate)
+            if kind == kinds[0]:
+                first = results.requests
+            else:  # token for token against the first run, on the same workload
+                same = sum(outputs(r) == outputs(f) for r, f in zip(results.requests, first))
+                results.runs[kind]["same_output_pct"] = 100 * same / len(first)
+        results.sweep.append({"request_rate": rate, "runs": results.runs})
+        if args.sweep_rates:
+            print(f"--- request rate {rate:g}/s\n{table(results.runs)}", flush=True)
+
+def report(args, kinds, texts, prompts, results, enc):
+    """Print the samples or the table, and write the JSON and the plot."""
+    runs, requests = results.runs, results.requests
     workload_name = (f"{len(prompts)} requests, prompts {args.prompt_len[0]}-{args.prompt_len[1]} tokens, "
                      f"{args.new_tokens[0]}-{args.new_tokens[1]} new" if args.num_requests else f"{len(prompts)} prompts")
     if args.kv_budget:
@@ -481,7 +443,7 @@ def main(argv=None):
         print(f"--- {workload_name} on {args.device}, {args.dtype}\n{table(runs)}")
     if args.json:
         if args.sweep_rates:
-            out = {"sweep": sweep}
+            out = {"sweep": results.sweep}
         elif args.compare:
             out = {"runs": runs}
         else:
@@ -489,8 +451,41 @@ def main(argv=None):
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
     if args.plot:
-        plot(all_stats, sweep if args.sweep_rates else None, args.plot, workload_name)
+        plot(results.steps, results.sweep if args.sweep_rates else None, args.plot, workload_name)
         print(f"plot written to {args.plot}")
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        fail(f"--device {args.device} asked for, but this torch sees no CUDA GPU")
+    if args.export_hf:  # no training on the way: exporting a checkpoint that is not there is an error
+        try:
+            export_hf(load_checkpoint(args.ckpt), args.export_hf)
+        except ValueError as e:
+            fail(e)
+        print(f"exported {args.ckpt} to {args.export_hf}: config.json, model.safetensors, vocab.json, merges.txt, "
+              "tokenizer_config.json")
+        return
+    model, enc = load_model(args)
+    texts, prompts, news = read_prompts(args, enc)
+    kinds = choose_designs(args)
+    if args.kv_budget:
+        c = model.config  # one slot: one token's K and V in every layer and head
+        slot_bytes = 2 * c.n_layer * c.n_embd * model.lm_head.weight.element_size()
+        print(f"KV budget: {args.kv_budget:,} slots x {slot_bytes:,} bytes = {args.kv_budget * slot_bytes / 2**20:,.1f} MB")
+    results = SimpleNamespace(sweep=[], runs={}, steps={}, requests=[])
+    try:
+        run_designs(model, kinds, args, prompts, news, enc.n_vocab, results)
+    except ValueError as e:
+        fail(e)
+    except KeyboardInterrupt:  # keep what finished: the runs done, and the requests done in this one
+        done = request_json(texts, results.requests, enc)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"interrupted": True, "runs": results.runs, "requests": done}, f, indent=1)
+        fail(f"interrupted: {len(done)} of {len(results.requests)} requests of this run had finished"
+             + (f"; they and the finished runs are in {args.json}" if args.json else ""))
+    report(args, kinds, texts, prompts, results, enc)
 
 if __name__ == "__main__":
     try:

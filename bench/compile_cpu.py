@@ -3,7 +3,7 @@
     python bench/compile_cpu.py [--repeats 3] [--rows all|small]
 
 Each row builds a random-weight GPT of the shape named (GPT-2's padded 50,304-id vocabulary), a seeded
-workload of Shakespeare prompts, and one Scheduler per path (compile="off": gather_kv + SDPA; compile="on":
+workload of Shakespeare prompts, and one PagedEngine per path (compile="off": gather_kv + SDPA; compile="on":
 torch.compile(gather_attend)). Both paths warm up first (the compile is timed on its own and printed); the
 timed runs then alternate eager, compiled in one process, greedy, all requests at once, and the ratio is
 taken per repeat. Outputs are compared token for token.
@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from generate import warm_up, workload  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
-from scheduler import Request, Scheduler  # noqa: E402
+from scheduler import Request, PagedEngine  # noqa: E402
 from train_tiny import get_tokenizer  # noqa: E402
 
 ROWS = {  # name: (n_layer, n_embd, requests, prompt tokens, new tokens)
@@ -47,7 +47,7 @@ def main():
         spec = SimpleNamespace(seed=1337, prompt_len=prompt_len, new_tokens=new_tokens, num_requests=num_requests, shared_prefix=0)
         prompts, news = workload(enc, spec)
         num_blocks = sum(-(-(len(p) + n - 1) // 16) for p, n in zip(prompts, news))
-        engines = {mode: Scheduler(model, num_blocks, max_batch=64, num_tokens=50257, compile=mode) for mode in ("off", "on")}
+        engines = {mode: PagedEngine(model, num_blocks, max_batch=64, num_tokens=50257, compile=mode) for mode in ("off", "on")}
         start = time.time()
         warm_up(engines["on"], len(prompts))
         compile_s = time.time() - start
@@ -56,7 +56,7 @@ def main():
         speeds, outputs = {"off": [], "on": []}, {}
         for _ in range(args.repeats):
             for mode in ("off", "on"):
-                engine = Scheduler(model, num_blocks, max_batch=64, num_tokens=50257, compile=mode)
+                engine = PagedEngine(model, num_blocks, max_batch=64, num_tokens=50257, compile=mode)
                 requests = [Request(p, n) for p, n in zip(prompts, news)]
                 start = time.perf_counter()
                 engine.run(requests)

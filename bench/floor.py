@@ -29,17 +29,17 @@ import scheduler  # noqa: E402
 from generate import workload  # noqa: E402
 from model import GPT, GPTConfig, attend  # noqa: E402
 from paged import StepBatch  # noqa: E402
-from scheduler import Request, Scheduler  # noqa: E402
+from scheduler import Request, PagedEngine  # noqa: E402
 from train_tiny import get_tokenizer, load_checkpoint  # noqa: E402
 
 
 class FloorBatch(StepBatch):
     """A step whose earlier K/V already sit gathered in dense tensors: nothing is written or read back."""
 
-    def __init__(self, starts, lens, ready, config):
-        super().__init__(torch.randint(0, config.vocab_size, (sum(lens),)), [0] * len(lens), starts, lens, ready)
-        self.stage(torch.device("cpu"))
-        H, D, S = config.n_head, config.n_embd // config.n_head, self.num_single
+    def __init__(self, starts, lens, samplers, config):
+        super().__init__(torch.randint(0, config.vocab_size, (sum(lens),)), starts, lens, samplers)
+        [self.decode_pos] = self.stage(torch.device("cpu"), self.kv_lens[: self.num_decode, None] - 1)
+        H, D, S = config.n_head, config.n_embd // config.n_head, self.num_decode
         L = int(self.kv_lens[:S].max()) if S else 0
         self.single = [(torch.randn(S, L, H, D), torch.randn(S, L, H, D)) for _ in range(config.n_layer)]
         self.cached = {i: [(torch.randn(1, end, H, D), torch.randn(1, end, H, D)) for _ in range(config.n_layer)]
@@ -48,11 +48,11 @@ class FloorBatch(StepBatch):
     def store(self, layer, k, v):
         pass
 
-    def attend_single(self, layer, q):
+    def attend_decode(self, layer, q):
         k, v = self.single[layer]
-        return attend(q[:, None], k, v, self.single_pos)[:, 0]
+        return attend(q[:, None], k, v, self.decode_pos)[:, 0]
 
-    def cached_kv(self, layer, i):
+    def chunk_kv(self, layer, i):
         return self.cached[i][layer]
 
 
@@ -61,7 +61,7 @@ class Probe:
 
     def __init__(self, engine):
         self.host, self.sampling, self.step_start, self.decode_only = [], [], None, False
-        schedule, forward, sample = engine.schedule, engine.model.forward, scheduler.sample
+        schedule, forward, sample = engine.schedule, engine.model.forward, scheduler.sample_logits
 
         def timed_schedule():
             self.step_start = time.perf_counter()
@@ -79,21 +79,21 @@ class Probe:
             tokens = sample(*args)
             self.sampling.append(time.perf_counter() - start)
             return tokens
-        engine.schedule, engine.model.forward, scheduler.sample = timed_schedule, timed_forward, timed_sample
-        self.restore = lambda: setattr(scheduler, "sample", sample) or vars(engine.model).pop("forward")
+        engine.schedule, engine.model.forward, scheduler.sample_logits = timed_schedule, timed_forward, timed_sample
+        self.restore = lambda: setattr(scheduler, "sample_logits", sample) or vars(engine.model).pop("forward")
 
 
 def run_engine(model, prompts, news, steps=None, temperature=0.8, probe=False):
     """Serve the workload as `generate.py --paged` does -> seconds (and the Probe); appends (starts, lens,
-    ready) of each step to `steps`."""
+    samplers) of each step to `steps`."""
     requests = [Request(p, n, temperature, 200, seed=1337 + i) for i, (p, n) in enumerate(zip(prompts, news))]
-    engine = Scheduler(model, sum(-(-(len(p) + n - 1) // 16) for p, n in zip(prompts, news)))
+    engine = PagedEngine(model, sum(-(-(len(p) + n - 1) // 16) for p, n in zip(prompts, news)))
     make_batch = engine.make_batch
 
-    def record(plan, ready, tokens):
+    def record(plan, samplers):
         if steps is not None:
-            steps.append(([r.num_computed for r, _ in plan], [n for _, n in plan], ready))
-        return make_batch(plan, ready, tokens)
+            steps.append(([s.num_computed for s, _ in plan], [n for _, n in plan], [(i, 0) for i, _ in samplers]))
+        return make_batch(plan, samplers)
     engine.make_batch = record
     timer = Probe(engine) if probe else None
     start = time.perf_counter()
@@ -107,10 +107,10 @@ def run_engine(model, prompts, news, steps=None, temperature=0.8, probe=False):
 @torch.no_grad()
 def run_floor(model, steps):
     seconds = 0.0
-    for starts, lens, ready in steps:
-        batch = FloorBatch(starts, lens, ready, model.config)
+    for starts, lens, samplers in steps:
+        batch = FloorBatch(starts, lens, samplers, model.config)
         start = time.perf_counter()
-        model(batch.idx, cache=batch)
+        model(batch.idx, batch=batch)
         seconds += time.perf_counter() - start
     return seconds
 

@@ -23,16 +23,17 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from generate import span, workload  # noqa: E402
-from scheduler import Request, Scheduler  # noqa: E402
+from generate import Meter, span, workload  # noqa: E402
+from scheduler import Request, PagedEngine  # noqa: E402
 from train_tiny import get_tokenizer, load_checkpoint  # noqa: E402
 
 
 def run(model, requests, num_tokens, width):
     """Step the engine by hand -> (seconds, per-step blocks held, per-step blocks if nothing were shared)."""
-    num_blocks = sum(-(-(r.num_prompt + r.max_new_tokens - 1) // 16) for r in requests) * width
-    engine = Scheduler(model, num_blocks, max_batch=len(requests) * width, token_budget=4096, prefix_cache=False,
-                       num_tokens=num_tokens, compile="off")
+    num_blocks = sum(-(-(len(r.prompt) + r.max_new_tokens - 1) // 16) for r in requests) * width
+    engine = PagedEngine(model, num_blocks, max_batch=len(requests) * width, token_budget=4096, prefix_cache=False,
+                         num_tokens=num_tokens, compile="off")
+    meter = Meter(engine)
     for r in requests:
         engine.add(r)
     shared, private, start = [], [], time.perf_counter()
@@ -41,7 +42,7 @@ def run(model, requests, num_tokens, width):
         shared.append(engine.allocator.num_blocks - engine.allocator.num_free())
         private.append(sum(len(s.block_table) for s in engine.running))
     seconds = time.perf_counter() - start
-    assert engine.num_preemptions == 0 and engine.allocator.num_free() == engine.allocator.num_blocks
+    assert meter.num_preemptions == 0 and engine.allocator.num_free() == engine.allocator.num_blocks
     return seconds, shared, private
 
 

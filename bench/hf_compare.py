@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from model import GPT, GPTConfig  # noqa: E402
-from scheduler import Request, Scheduler  # noqa: E402
+from scheduler import Request, PagedEngine  # noqa: E402
 from train_tiny import get_tokenizer, load_checkpoint, shakespeare  # noqa: E402
 
 
@@ -84,7 +84,7 @@ def run_ours(model, prompts, news, n=1, num_beams=1, temperature=0.0, top_k=None
     requests = [Request(p, m, temperature, top_k, seed=i, n=n, num_beams=num_beams)
                 for i, (p, m) in enumerate(zip(prompts, news))]
     num_blocks = sum(-(-(len(p) + m - 1) // 16) for p, m in zip(prompts, news)) * max(n, num_beams)
-    engine = Scheduler(model, num_blocks, max_batch=64 * max(n, num_beams), num_tokens=50257)
+    engine = PagedEngine(model, num_blocks, max_batch=64 * max(n, num_beams), num_tokens=50257)
     start = time.perf_counter()
     engine.run(requests)
     return time.perf_counter() - start, [r.generated for r in requests]

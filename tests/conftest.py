@@ -7,7 +7,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from model import GPT, GPTConfig  # noqa: E402
-from generate import ContiguousEngine  # noqa: E402
+from bench.contiguous import ContiguousEngine  # noqa: E402
+from generate import Meter, kv_slots  # noqa: E402
 from scheduler import Request  # noqa: E402
 
 torch.set_num_threads(1)  # tests are many small ops; threads only add overhead on 2 cores
@@ -31,7 +32,7 @@ def make_requests(prompts, news, temperature=0.0, top_k=None):
 
 def check_invariants(engine):
     """Every block is exactly one of: clean, cached (free with a hash), or held by as many block
-    tables as its reference count says; each running request's block table covers its K/V."""
+    tables as its reference count says; each running sequence's block table covers its K/V."""
     alloc = engine.allocator
     holders = [0] * alloc.num_blocks
     for r in engine.running:
@@ -56,10 +57,9 @@ def check_invariants(engine):
     assert cached <= set(alloc.hash_of), "a cached block has no hash"
     assert all(alloc.hash_of[b] == h and alloc.cache[h][0] == b for h, (b, _) in alloc.cache.items())
     assert len(alloc.cache) == len(alloc.hash_of)
-    assert alloc.num_extra_holds == sum(max(0, n - 1) for n in holders)
     bs = engine.block_size  # slots holding K/V, each counted once however many sequences share its block
     written = {(r.block_table[p // bs], p % bs) for r in engine.running for p in range(r.num_computed)}
-    assert engine.kv_slots()["used"] == len(written)
+    assert kv_slots(engine)["used"] == len(written)
 
 
 def check_writes(engine):
@@ -67,8 +67,8 @@ def check_writes(engine):
     a block shared by forks or the prefix cache is never written (copy-on-write copies it first)."""
     make_batch = engine.make_batch
 
-    def checked(plan, ready, tokens):
-        batch = make_batch(plan, ready, tokens)
+    def checked(plan, samplers):
+        batch = make_batch(plan, samplers)
         for block in (batch.slots // engine.block_size).unique().tolist():
             assert engine.allocator.ref_count[block] == 1, f"block {block} is written while {engine.allocator.ref_count[block]} hold it"
         return batch
@@ -76,7 +76,9 @@ def check_writes(engine):
 
 
 def run_engine(engine, requests, arrivals=None, check=False):
-    """Add each request at its arrival step (default: all at step 0) and step until all are done."""
+    """Add each request at its arrival step (default: all at step 0) and step until all are done. The
+    engine's measurements are in engine.meter."""
+    engine.meter = getattr(engine, "meter", None) or Meter(engine)
     if check and hasattr(engine, "allocator"):
         check_writes(engine)
     arrivals = arrivals or [0] * len(requests)

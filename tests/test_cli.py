@@ -7,9 +7,10 @@ from conftest import run_engine, tiny_gpt
 from test_model import save_nanogpt_ckpt
 
 import generate
-from generate import ContiguousEngine, metrics, percentile
+from bench.contiguous import ContiguousEngine
+from generate import metrics, percentile
 from model import GPT, GPTConfig
-from scheduler import Request, Scheduler
+from scheduler import Request, PagedEngine
 
 
 @pytest.fixture(scope="module")
@@ -99,22 +100,22 @@ def test_percentiles_interpolate_between_closest_ranks():
 
 
 def test_waste_counts_only_last_block_tails_and_prompt_blocks_held_ahead_are_reported_apart(model):
-    engine = Scheduler(model, num_blocks=8, block_size=4, token_budget=4)
+    engine = PagedEngine(model, num_blocks=8, block_size=4, token_budget=4)
     run_engine(engine, [Request(list(range(1, 11)), 3)])  # 10 prompt tokens in 3 blocks, 4 per step
     # (allocated, used, ahead): the prompt's 3 blocks are allocated at admission, filled 4 tokens a step
-    assert [(s["allocated"], s["used"], s["ahead"]) for s in engine.stats] == [
+    assert [(s["allocated"], s["used"], s["ahead"]) for s in engine.meter.steps] == [
         (12, 4, 8), (12, 8, 4), (12, 10, 0), (12, 11, 0), (12, 12, 0)]
-    m = metrics(engine, 1.0, float("inf"), None)
+    m = metrics(engine.meter, 1.0, float("inf"), None)
     assert m["kv_waste_pct"] == 0.0 and m["kv_ahead_pct"] == pytest.approx(100 * 8 / 12)
-    steady = Scheduler(model, num_blocks=8, block_size=4, token_budget=64)
+    steady = PagedEngine(model, num_blocks=8, block_size=4, token_budget=64)
     run_engine(steady, [Request(list(range(1, 11)), 1)])  # one step: 10 tokens in 12 slots
-    assert metrics(steady, 1.0, float("inf"), None)["kv_waste_pct"] == pytest.approx(100 * 2 / 12)
+    assert metrics(steady.meter, 1.0, float("inf"), None)["kv_waste_pct"] == pytest.approx(100 * 2 / 12)
 
 
 def test_tpot_is_not_applicable_when_every_request_makes_one_token(model):
     engine = ContiguousEngine(model)
     run_engine(engine, [Request([1, 2, 3], 1), Request([4, 5], 1)])
-    m = metrics(engine, 1.0, float("inf"), None)
+    m = metrics(engine.meter, 1.0, float("inf"), None)
     assert m["tpot_ms_mean"] is None and m["prefix_hit_rate"] is None
     assert generate.cell(None) == "—" and generate.cell(31050.4) == "31,050" and generate.cell(0.123) == "0.12"
 
@@ -141,14 +142,14 @@ def test_padded_vocabulary_ids_are_never_sampled(tmp_path, flags):
 
 
 def test_ctrl_c_exits_with_one_line_and_keeps_finished_requests(ckpt, tmp_path, monkeypatch):
-    real_step, calls = Scheduler.step, []
+    real_step, calls = PagedEngine.step, []
 
     def step_then_interrupt(self):
         calls.append(1)
         if len(calls) == 40:
             raise KeyboardInterrupt
         return real_step(self)
-    monkeypatch.setattr(Scheduler, "step", step_then_interrupt)
+    monkeypatch.setattr(PagedEngine, "step", step_then_interrupt)
     out = tmp_path / "partial.json"
     message = one_line_error(["--ckpt", ckpt, "--paged", "--num-requests", "40", "--prompt-len", "4:8", "--new-tokens",
                               "1:30", "--max-batch", "8", "--json", str(out)])

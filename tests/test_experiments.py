@@ -9,8 +9,9 @@ from conftest import baseline, make_requests, tiny_gpt
 from test_model import save_nanogpt_ckpt
 
 import generate
-from generate import ContiguousEngine
-from scheduler import Scheduler
+from generate import Meter
+from bench.contiguous import ContiguousEngine
+from scheduler import PagedEngine
 
 
 class FakeClock:
@@ -47,9 +48,9 @@ def test_no_reservation_policy_ever_holds_more_than_the_budget(model, reserve):
         peak = 0
         while engine.arriving or engine.waiting or engine.running:
             engine.step()
-            held = sum(engine.reservation(r) for r in engine.running)
+            held = sum(engine.reservation(s.request) for s in engine.running)
             assert held == engine.reserved <= 100
-            assert all(r.num_computed <= engine.reservation(r) for r in engine.running)
+            assert all(s.num_computed <= engine.reservation(s.request) for s in engine.running)
             peak = max(peak, len(engine.running))
         assert len(engine.finished) == len(prompts) and engine.reserved == 0
         assert peak == 1 if reserve == "max" else peak > 1  # max reserves the context, 64 of 100: one at a time
@@ -60,19 +61,19 @@ def test_no_request_is_scheduled_before_its_arrival_and_the_idle_engine_sleeps(m
     prompts, news = workload(5, n=8)
     arrivals = [0.0, 0.0, 0.3, 0.31, 2.0, 2.0, 7.5, 7.6]
     clock = FakeClock()
-    engine = Scheduler(model, num_blocks=80, block_size=4, token_budget=16, max_batch=4, clock=clock)
+    engine = PagedEngine(model, num_blocks=80, block_size=4, token_budget=16, max_batch=4, clock=clock)
     scheduled, schedule = {}, engine.schedule
 
     def record():
         plan = schedule()
-        for r, _ in plan:
-            scheduled.setdefault(id(r), clock.t)
+        for s, _ in plan:
+            scheduled.setdefault(id(s.request), clock.t)
         return plan
     engine.schedule = record
-    requests = make_requests(prompts, news)
+    requests, meter = make_requests(prompts, news), Meter(engine)
     engine.run(requests, arrivals)
     assert all(scheduled[id(r)] >= at for r, at in zip(requests, arrivals))
-    assert clock.slept > 4.0 and len(engine.stats) < 200  # it slept through the gaps instead of spinning
+    assert clock.slept > 4.0 and len(meter.steps) < 200  # it slept through the gaps instead of spinning
     assert [r.generated for r in requests] == baseline(model, prompts, news)
 
 
@@ -81,12 +82,12 @@ def test_rate_inf_and_no_budget_give_exactly_todays_outputs_and_step_counts(mode
     rng = random.Random(11)
     prompts = [[rng.randrange(300) for _ in range(rng.randint(1, 30))] for _ in range(20)]
     news = [rng.randint(1, 20) for _ in prompts]
-    for engine, steps in [(ContiguousEngine(model, 6), 38), (Scheduler(model, 60, 4, 16, 6), 45),
-                          (Scheduler(model, 60, 4, 16, 6, prefix_cache=False), 45)]:
-        requests = make_requests(prompts, news)
+    for engine, steps in [(ContiguousEngine(model, 6), 38), (PagedEngine(model, 60, 4, 16, 6), 45),
+                          (PagedEngine(model, 60, 4, 16, 6, prefix_cache=False), 45)]:
+        requests, meter = make_requests(prompts, news), Meter(engine)
         engine.run(requests)
         digest = hashlib.md5(str([r.generated for r in requests]).encode()).hexdigest()[:10]
-        assert (len(engine.stats), digest) == (steps, "c9fcc87962")
+        assert (len(meter.steps), digest) == (steps, "c9fcc87962")
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from test_model import save_nanogpt_ckpt
 
 import generate
 from model import GPT, GPTConfig
-from scheduler import Request, Scheduler
+from scheduler import Request, PagedEngine
 from train_tiny import get_tokenizer, load_checkpoint, shakespeare
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # everything loads from the exported folder; nothing may be fetched
@@ -41,7 +41,7 @@ def test_exported_model_loads_in_transformers_with_our_logits_and_greedy_tokens(
 
     prompts = [idx[i, :n].tolist() for i, n in enumerate([5, 17, 30])]
     news = [20, 12, 30]
-    engine = Scheduler(ours.to(torch.float64), 64, block_size=4, num_tokens=num_tokens)
+    engine = PagedEngine(ours.to(torch.float64), 64, block_size=4, num_tokens=num_tokens)
     greedy = run_engine(engine, make_requests(prompts, news))
     hf = hf.to(torch.float64)
     hf.generation_config.eos_token_id = None  # ours generates exactly the asked-for count, end-of-text or not
@@ -96,10 +96,10 @@ def test_beam_search_equals_transformers_generate_with_num_beams(tmp_path, k):
         want.append(([s[len(prompt):].tolist() for s in result.sequences], result.sequences_scores.tolist()))
     ours = ours.to(torch.float64)
     for num_blocks in (200, 8 * k):
-        engine = Scheduler(ours, num_blocks, block_size=4, max_batch=4 * k, num_tokens=50257)
+        engine = PagedEngine(ours, num_blocks, block_size=4, max_batch=4 * k, num_tokens=50257)
         requests = [Request(p, n, num_beams=k, length_penalty=0.7) for p, n in zip(prompts, news)]
         run_engine(engine, requests, check=True)
-        assert engine.num_preemptions > 0 or num_blocks == 200
+        assert engine.meter.num_preemptions > 0 or num_blocks == 200
         for r, (sequences, scores) in zip(requests, want):
             assert r.generated == sequences[0] and [s.generated for s in r.sequences] == sequences
             torch.testing.assert_close([s.score for s in r.sequences], scores, rtol=1e-6, atol=1e-6)

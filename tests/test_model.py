@@ -7,15 +7,16 @@ from conftest import baseline, make_requests, run_engine, tiny_gpt
 
 import generate
 from model import GPT, GPTConfig
+from bench.contiguous import ContiguousBatch, ContiguousEngine
+from model import sample, uniform
 from paged import PagedBatch
-from generate import ContiguousBatch, ContiguousEngine
-from scheduler import Request, sample, uniform
+from scheduler import Request, new_tokens
 from train_tiny import get_tokenizer, load_checkpoint, shakespeare
 
 
 def incremental_logits(model, prompts, decode_steps, make_batch):
     """Prefill every prompt in one forward, then decode all together; returns each step's logits."""
-    reqs = [Request(p, decode_steps + 1) for p in prompts]
+    reqs = [Request(p, decode_steps + 1).sequences[0] for p in prompts]
     c = model.config
     for i, r in enumerate(reqs):
         r.row = i
@@ -25,9 +26,8 @@ def incremental_logits(model, prompts, decode_steps, make_batch):
     with torch.no_grad():
         for _ in range(decode_steps + 1):
             plan = sorted([(r, len(r.tokens) - r.num_computed) for r in reqs], key=lambda item: item[1] > 1)
-            idx = torch.tensor([t for r, n in plan for t in r.tokens[r.num_computed:]])
-            batch = make_batch(plan, idx)
-            logits, _ = model(batch.idx, cache=batch)
+            batch = make_batch(plan, [(i, r.row) for i, (r, _) in enumerate(plan)])
+            logits, _ = model(batch.idx, batch=batch)
             for (r, n), row in zip(plan, logits):
                 r.num_computed += n
                 r.tokens.append(int(row.argmax()))
@@ -43,11 +43,12 @@ def test_cached_decode_equals_full_recompute(model, cache):
     # scattered blocks: request i owns blocks i, i + 8, i + 16, ...; block 64 is padding's
     block_tables = torch.tensor([[i + 8 * j for j in range(8)] for i in range(len(prompts))], dtype=torch.int32)
 
-    def paged_batch(plan, idx):
+    def paged_batch(plan, samplers):
         rows, starts, lens = zip(*[(r.row, r.num_computed, n) for r, n in plan])
-        return PagedBatch(k_pool, v_pool, block_tables, idx, rows, starts, lens, list(range(len(plan))), compiled="compiled" in cache)
+        return PagedBatch(k_pool, v_pool, block_tables, 64, new_tokens(plan), rows, starts, lens, samplers,
+                          compiled="compiled" in cache)
 
-    make_batch = paged_batch if cache.startswith("paged") else (lambda plan, idx: ContiguousBatch(plan, list(range(len(plan))), idx, torch.device("cpu")))
+    make_batch = paged_batch if cache.startswith("paged") else (lambda plan, samplers: ContiguousBatch(plan, samplers, torch.device("cpu")))
     reqs, steps = incremental_logits(model, prompts, 6, make_batch)
     with torch.no_grad():
         for i, r in enumerate(reqs):

@@ -7,38 +7,38 @@ import torch
 from conftest import baseline, make_requests, run_engine
 
 from paged import BlockAllocator, gather_attend, gather_kv, write_kv
-from scheduler import Request, Scheduler
+from scheduler import Request, PagedEngine
 
 
 def test_lifecycle_prompt_blocks_then_one_more_when_decode_crosses_a_boundary(model):
-    engine = Scheduler(model, num_blocks=8, block_size=4, token_budget=64)
+    engine = PagedEngine(model, num_blocks=8, block_size=4, token_budget=64)
     r = Request(list(range(1, 13)), max_new_tokens=3)  # 12 tokens fill 3 blocks exactly
     engine.add(r)
     engine.step()  # admits and prefills all 12 tokens, samples token 13
-    assert len(r.block_table) == 3 and engine.allocator.num_free() == 5
+    assert len(r.sequences[0].block_table) == 3 and engine.allocator.num_free() == 5
     engine.step()  # position 12 starts a 4th block
-    assert len(r.block_table) == 4 and engine.allocator.num_free() == 4
+    assert len(r.sequences[0].block_table) == 4 and engine.allocator.num_free() == 4
     engine.step()
     assert r.status == "done" and engine.allocator.num_free() == 8 and len(r.generated) == 3
 
 
 def test_reuse_blocks_freed_by_a_finished_request_go_to_the_next_lifo(model):
     alloc = BlockAllocator(10)
-    first = alloc.allocate_n(3)
-    alloc.allocate_n(2)
+    first = alloc.allocate(3)
+    alloc.allocate(2)
     alloc.free(first)
-    assert alloc.allocate_n(3) == first  # tail freed first, head last: the head block comes back first
-    engine = Scheduler(model, num_blocks=10, block_size=4, token_budget=64, prefix_cache=False)
+    assert alloc.allocate(3) == first  # tail freed first, head last: the head block comes back first
+    engine = PagedEngine(model, num_blocks=10, block_size=4, token_budget=64, prefix_cache=False)
     a, b = Request([1, 2, 3, 4, 5, 6], 2), Request([7, 8, 9, 10, 11], 2)
     run_engine(engine, [a])
     held_by_a = [0, 1]  # what LIFO handed out from a fresh pool
     engine.add(b)
     engine.step()
-    assert b.block_table == held_by_a
+    assert b.sequences[0].block_table == held_by_a
 
 
 def test_exhausted_pool_admits_after_release(model):
-    engine = Scheduler(model, num_blocks=2, block_size=4, token_budget=64)
+    engine = PagedEngine(model, num_blocks=2, block_size=4, token_budget=64)
     big, small = Request(list(range(1, 9)), 1), Request([1, 2, 3, 4], 1)
     engine.add(big)
     engine.add(small)
@@ -50,12 +50,12 @@ def test_exhausted_pool_admits_after_release(model):
 
 def test_allocating_from_an_empty_pool_raises_and_never_hands_out_twice():
     alloc = BlockAllocator(3)
-    blocks = [alloc.allocate_one() for _ in range(3)]
+    blocks = [alloc.allocate()[0] for _ in range(3)]
     assert sorted(blocks) == [0, 1, 2]
-    with pytest.raises(RuntimeError, match="all 3 blocks are held"):
-        alloc.allocate_one()
+    with pytest.raises(RuntimeError, match="1 blocks asked, 0 of 3 free"):
+        alloc.allocate()
     with pytest.raises(RuntimeError, match="2 blocks asked, 0 of 3 free"):
-        alloc.allocate_n(2)
+        alloc.allocate(2)
 
 
 def test_write_then_gather_round_trips_on_scattered_block_tables():
@@ -118,12 +118,12 @@ def test_paged_equals_contiguous_token_for_token(model, block_size, token_budget
     is chunked across steps while others decode."""
     prompts, news, arrivals = random_workload(block_size * 100 + token_budget, 14)
     want = baseline(model, prompts, news, temperature, top_k)
-    engine = Scheduler(model, num_blocks=400, block_size=block_size, token_budget=token_budget, max_batch=6)
+    engine = PagedEngine(model, num_blocks=400, block_size=block_size, token_budget=token_budget, max_batch=6)
     got = run_engine(engine, make_requests(prompts, news, temperature, top_k), arrivals, check=True)
     assert got == want
     assert all(len(g) == n for g, n in zip(got, news))
     if token_budget < 30:
-        assert max(s["context"] for s in engine.stats) > 0 and engine.prefill_tokens >= sum(map(len, prompts))
+        assert max(s["keys"] for s in engine.meter.steps) > 0 and engine.meter.prefill_tokens >= sum(map(len, prompts))
 
 
 def test_compiled_decode_on_the_cpu_equals_eager_with_one_graph_and_no_recompiles(model):
@@ -136,13 +136,13 @@ def test_compiled_decode_on_the_cpu_equals_eager_with_one_graph_and_no_recompile
     prompts = [[rng.randrange(1, 300) for _ in range(rng.randint(1, 30))] for _ in range(10)]
     news = [rng.randint(1, 30) for _ in prompts]
     expected = baseline(model, prompts, news)
-    warm = Scheduler(model, num_blocks=40, block_size=4, token_budget=24, max_batch=8, compile="on")
+    warm = PagedEngine(model, num_blocks=40, block_size=4, token_budget=24, max_batch=8, compile="on")
     run_engine(warm, make_requests(prompts[:3], news[:3]))  # compiles the graph this model's dtype needs
     graphs = counters["stats"]["unique_graphs"]
     for num_blocks in (40, 16):  # a roomy pool, then one that preempts
-        engine = Scheduler(model, num_blocks=num_blocks, block_size=4, token_budget=24, max_batch=8, compile="on")
+        engine = PagedEngine(model, num_blocks=num_blocks, block_size=4, token_budget=24, max_batch=8, compile="on")
         assert run_engine(engine, make_requests(prompts, news), check=True) == expected
-    assert engine.num_preemptions > 0
+    assert engine.meter.num_preemptions > 0
     assert counters["stats"]["unique_graphs"] == graphs, "a steady-state step recompiled"
-    eager = Scheduler(model, num_blocks=16, block_size=4, token_budget=24, max_batch=8, compile="off")
+    eager = PagedEngine(model, num_blocks=16, block_size=4, token_budget=24, max_batch=8, compile="off")
     assert run_engine(eager, make_requests(prompts, news)) == expected

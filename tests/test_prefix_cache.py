@@ -4,7 +4,7 @@ import random
 from conftest import baseline, check_invariants, make_requests, run_engine
 
 from paged import BlockAllocator
-from scheduler import Request, Scheduler
+from scheduler import Request, PagedEngine
 
 
 def shared_prefix_workload():
@@ -21,50 +21,50 @@ def test_outputs_identical_with_cache_on_off_and_on_the_baseline(model):
     prompts, news = shared_prefix_workload()
     want = baseline(model, prompts, news)
     for block_size, budget in [(4, 64), (4, 6), (3, 256)]:
-        on = Scheduler(model, 300, block_size, budget, max_batch=5)
-        off = Scheduler(model, 300, block_size, budget, max_batch=5, prefix_cache=False)
+        on = PagedEngine(model, 300, block_size, budget, max_batch=5)
+        off = PagedEngine(model, 300, block_size, budget, max_batch=5, prefix_cache=False)
         assert run_engine(on, make_requests(prompts, news), check=True) == want
         assert run_engine(off, make_requests(prompts, news), check=True) == want
-        assert on.prefill_tokens < 0.5 * off.prefill_tokens and on.cached_tokens > 0
-        assert off.cached_tokens == 0
+        assert on.meter.prefill_tokens < 0.5 * off.meter.prefill_tokens and on.meter.cached_tokens > 0
+        assert off.meter.cached_tokens == 0
 
 
 def test_identical_blocks_behind_different_prefixes_never_hit(model):
-    engine = Scheduler(model, 50, block_size=4, token_budget=64)
+    engine = PagedEngine(model, 50, block_size=4, token_budget=64)
     common = [9, 9, 9, 9]
     a, b = Request([1, 2, 3, 4] + common + [5], 1), Request([6, 7, 8, 1] + common + [5], 1)
     run_engine(engine, [a])
     engine.add(b)
     engine.step()
-    assert engine.cached_tokens == 0 and engine.prefill_tokens == 18  # b's second block was not served
+    assert engine.meter.cached_tokens == 0 and engine.meter.prefill_tokens == 18  # b's second block was not served
 
 
 def test_entirely_cached_prompt_still_computes_its_last_token(model):
-    engine = Scheduler(model, 50, block_size=4, token_budget=64)
+    engine = PagedEngine(model, 50, block_size=4, token_budget=64)
     prompt = list(range(10, 22))  # 12 tokens: block-aligned, 3 full blocks
     first, again = Request(prompt, 2), Request(prompt, 2)
     run_engine(engine, [first])
-    computed_before = engine.prefill_tokens
+    computed_before = engine.meter.prefill_tokens
     run_engine(engine, [again])
-    assert engine.cached_tokens == 8  # two blocks served, the last block recomputed for its last token
-    assert engine.prefill_tokens - computed_before == 4
+    assert engine.meter.cached_tokens == 8  # two blocks served, the last block recomputed for its last token
+    assert engine.meter.prefill_tokens - computed_before == 4
     assert again.generated == first.generated
 
 
 def test_shared_block_survives_its_first_holder_and_pool_is_reclaimable_at_the_end(model):
-    engine = Scheduler(model, 20, block_size=4, token_budget=64)
+    engine = PagedEngine(model, 20, block_size=4, token_budget=64)
     prefix = list(range(30, 38))  # two full blocks
     run_engine(engine, [Request(prefix + [1], 1)])  # computes and caches the prefix, then lets go
     first, second = Request(prefix + [2], 3), Request(prefix + [3], 30)
     engine.add(first)
     engine.add(second)
     engine.step()
-    shared = first.block_table[:2]
-    assert second.block_table[:2] == shared and all(engine.allocator.ref_count[b] == 2 for b in shared)
+    shared = first.sequences[0].block_table[:2]
+    assert second.sequences[0].block_table[:2] == shared and all(engine.allocator.ref_count[b] == 2 for b in shared)
     while first.status != "done":
         engine.step()
         check_invariants(engine)
-    assert second.block_table[:2] == shared and all(engine.allocator.ref_count[b] == 1 for b in shared)
+    assert second.sequences[0].block_table[:2] == shared and all(engine.allocator.ref_count[b] == 1 for b in shared)
     while engine.running:
         engine.step()
     assert engine.allocator.num_free() == 20 and set(shared) <= set(engine.allocator.cached)
@@ -73,23 +73,23 @@ def test_shared_block_survives_its_first_holder_and_pool_is_reclaimable_at_the_e
 
 def test_eviction_takes_clean_blocks_first_then_least_recently_released():
     alloc = BlockAllocator(4)
-    a, b = alloc.allocate_one(), alloc.allocate_one()
+    [a], [b] = alloc.allocate(), alloc.allocate()
     alloc.register(a, "hash-a", (1,))
     alloc.register(b, "hash-b", (2,))
     alloc.free([b])  # released first: least recently used
     alloc.free([a])
-    assert alloc.allocate_one() not in (a, b) and alloc.allocate_one() not in (a, b)  # clean blocks first
-    assert alloc.allocate_one() == b and alloc.lookup("hash-b", (2,)) is None  # then LRU, forgetting its hash
+    assert alloc.allocate()[0] not in (a, b) and alloc.allocate()[0] not in (a, b)  # clean blocks first
+    assert alloc.allocate() == [b] and alloc.lookup("hash-b", (2,)) is None  # then LRU, forgetting its hash
     assert alloc.lookup("hash-a", (2,)) is None and alloc.lookup("hash-a", (1,)) == a  # tokens are compared
-    assert alloc.allocate_one() == a
+    assert alloc.allocate() == [a]
 
 
 def test_same_prefix_admitted_together_is_computed_once(model):
     prefix = list(range(40, 64))  # six blocks of 4
     want = baseline(model, [prefix + [1], prefix + [2], prefix + [3]], [3, 3, 3])
-    engine = Scheduler(model, 60, block_size=4, token_budget=10)  # prefill takes several steps
+    engine = PagedEngine(model, 60, block_size=4, token_budget=10)  # prefill takes several steps
     got = run_engine(engine, make_requests([prefix + [1], prefix + [2], prefix + [3]], [3, 3, 3]), check=True)
     assert got == want
     # the first computes all 25 tokens; the others wait for its six blocks, share them, and compute 1 token each
-    assert engine.prefill_tokens == 25 + 1 + 1
-    assert engine.cached_tokens == 48
+    assert engine.meter.prefill_tokens == 25 + 1 + 1
+    assert engine.meter.cached_tokens == 48

@@ -7,7 +7,7 @@ from conftest import baseline, make_requests, run_engine
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scheduler import Request, Scheduler
+from scheduler import Request, PagedEngine
 
 
 @st.composite
@@ -32,7 +32,7 @@ def workloads(draw):
 @given(w=workloads())
 def test_random_workloads_keep_invariants_and_match_the_baseline(model, w):
     want = baseline(model, w["prompts"], w["news"], w["temperature"], 40)
-    engine = Scheduler(model, w["num_blocks"], w["block_size"], w["token_budget"], w["max_batch"], w["prefix_cache"])
+    engine = PagedEngine(model, w["num_blocks"], w["block_size"], w["token_budget"], w["max_batch"], w["prefix_cache"])
     got = run_engine(engine, make_requests(w["prompts"], w["news"], w["temperature"], 40), w["arrivals"], check=True)
     assert got == want
     assert engine.allocator.num_free() == w["num_blocks"] and not engine.running and not engine.waiting
@@ -44,23 +44,23 @@ def test_pool_far_smaller_than_the_workload_preempts_and_still_matches(model):
     news = [rng.randint(20, 40) for _ in prompts]
     want = baseline(model, prompts, news, 0.9, 40)
     for prefix_cache in [True, False]:
-        engine = Scheduler(model, num_blocks=15, block_size=4, token_budget=32, max_batch=8, prefix_cache=prefix_cache)
+        engine = PagedEngine(model, num_blocks=15, block_size=4, token_budget=32, max_batch=8, prefix_cache=prefix_cache)
         got = run_engine(engine, make_requests(prompts, news, 0.9, 40), check=True)
-        assert got == want and engine.num_preemptions >= 10
+        assert got == want and engine.meter.num_preemptions >= 10
         assert engine.allocator.num_free() == 15
         # no two prompts share a block, so every hit is a preempted request readmitted onto its own cached blocks
-        assert (engine.cached_tokens > 0) == prefix_cache and engine.admitted_tokens > sum(map(len, prompts))
+        assert (engine.meter.cached_tokens > 0) == prefix_cache and engine.meter.admitted_tokens > sum(map(len, prompts))
 
 
 def test_soak_5000_short_requests_through_a_tiny_pool_leak_nothing(model):
     rng = random.Random(5)
-    engine = Scheduler(model, num_blocks=12, block_size=2, token_budget=24, max_batch=12)
+    engine = PagedEngine(model, num_blocks=12, block_size=2, token_budget=24, max_batch=12)
     requests = [Request([rng.randrange(300) for _ in range(rng.randint(1, 4))], rng.randint(1, 3), seed=i)
                 for i in range(5000)]
     run_engine(engine, requests)
     assert all(r.status == "done" and len(r.generated) == r.max_new_tokens for r in requests)
     assert len(engine.finished) == 5000 and engine.allocator.num_free() == 12
-    assert sum(engine.allocator.ref_count) == 0 and engine.allocator.num_extra_holds == 0
+    assert sum(engine.allocator.ref_count) == 0
 
 
 @pytest.mark.parametrize("request_args, message", [
@@ -73,7 +73,7 @@ def test_soak_5000_short_requests_through_a_tiny_pool_leak_nothing(model):
     (([1], 5, 1.0, 0), "top_k 0 >= 1"),
 ])
 def test_requests_that_can_never_run_are_refused_and_others_go_on(model, request_args, message):
-    engine = Scheduler(model, num_blocks=8, block_size=4)
+    engine = PagedEngine(model, num_blocks=8, block_size=4)
     fine = Request([1, 2, 3], 4)
     engine.add(fine)
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -86,19 +86,19 @@ def test_requests_that_can_never_run_are_refused_and_others_go_on(model, request
                                              (dict(num_blocks=0), "num_blocks 0"), (dict(max_batch=0), "max_batch is 0")])
 def test_bad_engine_arguments_are_refused(model, kwargs, message):
     with pytest.raises(ValueError, match=message):
-        Scheduler(model, **{"num_blocks": 8, **kwargs})
+        PagedEngine(model, **{"num_blocks": 8, **kwargs})
 
 
 def test_context_plus_one_is_allowed_because_the_last_token_is_never_fed_back(model):
     prompt = list(range(1, 61))  # 60 + 5 = 65 tokens in a context of 64: positions 0..63 are enough
     want = baseline(model, [prompt], [5])
-    engine = Scheduler(model, num_blocks=16, block_size=4)
+    engine = PagedEngine(model, num_blocks=16, block_size=4)
     assert run_engine(engine, make_requests([prompt], [5]), check=True) == want and len(want[0]) == 5
     assert engine.allocator.num_free() == 16
 
 
 def test_a_request_is_refused_when_added_twice_or_after_it_finished(model):
-    engine = Scheduler(model, num_blocks=8, block_size=4)
+    engine = PagedEngine(model, num_blocks=8, block_size=4)
     r = Request([1, 2, 3], 2)
     engine.add(r)
     with pytest.raises(ValueError, match="added before .it is waiting.; a request runs once"):

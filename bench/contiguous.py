@@ -1,0 +1,82 @@
+"""The contiguous baseline that the paged engine is measured against, token for token and in speed: the
+same Engine (scheduler.py), with each sequence's K/V in tensors of its own, grown by torch.cat."""
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from model import attend
+from paged import StepBatch
+from scheduler import Engine, new_tokens
+
+
+class ContiguousBatch(StepBatch):
+    """The baseline's cache seen by one forward: each sequence's K/V are its own tensors, grown by
+    torch.cat every step; decode rows are padded side by side to attend in one call."""
+
+    def __init__(self, plan, samplers, device):
+        self.sequences = [s for s, _ in plan]
+        super().__init__(new_tokens(plan), [s.num_computed for s in self.sequences], [n for _, n in plan], samplers)
+        [self.decode_pos] = self.stage(device, self.kv_lens[: self.num_decode, None] - 1)  # (S, 1)
+
+    def store(self, layer, k, v):  # k, v: (N, H, D)
+        for s, (a, b) in zip(self.sequences, self.spans):
+            s.k[layer] = torch.cat([s.k[layer], k[a:b]])
+            s.v[layer] = torch.cat([s.v[layer], v[a:b]])
+
+    def attend_decode(self, layer, q):  # q: (S, H, D)
+        decoding = self.sequences[: self.num_decode]
+        k = pad_sequence([s.k[layer] for s in decoding], batch_first=True)  # (S, L, H, D)
+        v = pad_sequence([s.v[layer] for s in decoding], batch_first=True)
+        return attend(q[:, None], k, v, self.decode_pos)[:, 0]
+
+    def chunk_kv(self, layer, i):
+        return self.sequences[i].k[layer][None], self.sequences[i].v[layer][None]
+
+
+class ContiguousEngine(Engine):
+    """Continuous batching without paging: up to max_batch sequences run; a new one is prefilled whole
+    in the same forward that decodes the others. Under a KV budget (token slots), a request is admitted
+    only if its reservation fits in what is left, and holds it until it finishes, as the vLLM paper's
+    baselines do: the whole context (max: FasterTransformer, Orca (Max)), prompt + max_new_tokens
+    rounded up to a power of two (pow2: Orca (Pow2)), or exactly (oracle: Orca (Oracle))."""
+
+    def __init__(self, model, max_batch=64, num_tokens=None, kv_budget=None, reserve="max", clock=None):
+        super().__init__(model, max_batch, num_tokens, clock)
+        if reserve not in ("max", "pow2", "oracle") or (kv_budget is not None and kv_budget < 1):
+            raise ValueError(f"reserve {reserve!r} must be max, pow2 or oracle, and kv_budget {kv_budget} at least 1")
+        self.kv_budget, self.reserve, self.reserved = kv_budget, reserve, 0
+
+    def reservation(self, r):
+        need = len(r.prompt) + r.max_new_tokens
+        return min(self.window, dict(max=self.window, pow2=1 << (need - 1).bit_length(), oracle=need)[self.reserve])
+
+    def check(self, r):
+        super().check(r)
+        if self.kv_budget is not None and self.reservation(r) > self.kv_budget:
+            raise ValueError(
+                f"a request of {len(r.prompt)} + {r.max_new_tokens} tokens reserves {self.reservation(r)} "
+                f"slots under --reserve {self.reserve}, but the KV budget is {self.kv_budget} slots"
+            )
+
+    def schedule(self):  # a request reserves for all the sequences it will fork into
+        c, dtype = self.model.config, self.model.lm_head.weight.dtype
+        while self.waiting and sum(s.width() for s in self.running + [self.waiting[0]]) <= self.max_batch:
+            s = self.waiting[0]
+            need = self.reservation(s.request) * s.width()
+            if self.kv_budget is not None and self.reserved + need > self.kv_budget:
+                break
+            self.reserved += need
+            empty = torch.empty(0, c.n_head, c.n_embd // c.n_head, device=self.device, dtype=dtype)
+            s.k, s.v = [empty] * c.n_layer, [empty] * c.n_layer
+            self.start(self.waiting.popleft())
+        return [(s, len(s.tokens) - s.num_computed) for s in self.running]
+
+    def make_batch(self, plan, samplers):
+        return ContiguousBatch(plan, [(i, s.row) for i, s in samplers], self.device)
+
+    def fork_kv(self, parent, child):  # torch.cat makes a new tensor on every append: sharing the old ones is safe
+        child.k, child.v, child.num_computed = list(parent.k), list(parent.v), parent.num_computed
+
+    def release(self, s):
+        s.k = s.v = None
+        if s.status != "dead":  # a dead beam's reservation passes to the fork that replaces it
+            self.reserved -= self.reservation(s.request)
