@@ -177,7 +177,7 @@ def make_engine(model, kind, args, prompts, news, num_tokens):
         width = max(args.num_samples, args.num_beams)
         num_blocks = sum(blocks_for(len(p) + n - 1, args.block_size) for p, n in zip(prompts, news)) * width
     return PagedEngine(model, num_blocks, args.block_size, args.token_budget, args.max_batch, kind == "paged_prefix",
-                       num_tokens, compile=args.compile)
+                       args.compile, num_tokens=num_tokens)
 
 def warm_up(engine, num_sequences):
     """Compile the paged engine's decode attention before anything is timed, if its steps will use it,
@@ -207,10 +207,25 @@ def make_requests(args, prompts, news):
                     num_beams=args.num_beams, length_penalty=args.length_penalty)
             for i, (p, n) in enumerate(zip(prompts, news))]
 
+def arrive(engine, requests, times):
+    """Add each request to the engine at its arrival (clock seconds) and step it until all are done; an
+    idle engine sleeps until the next arrival. Yields after every step."""
+    pending = sorted(zip(times, range(len(requests))))[::-1]  # the next arrival last
+    while pending or engine.waiting or engine.running:
+        while pending and pending[-1][0] <= engine.clock.now():
+            at, i = pending.pop()
+            engine.add(requests[i], at)
+        if engine.waiting or engine.running:
+            engine.step()
+            yield
+        else:
+            engine.clock.sleep(max(0.0, pending[-1][0] - engine.clock.now()))
+
 def serve(engine, requests, args, rate):
     """Run one engine over the requests, arriving at `rate` -> its metrics and its steps."""
     meter, start = Meter(engine), engine.clock.now()
-    engine.run(requests, [start + t for t in arrivals(len(requests), rate, args.seed)])
+    for _ in arrive(engine, requests, [start + t for t in arrivals(len(requests), rate, args.seed)]):
+        pass
     wall_s = engine.clock.now() - start  # every step ends in a host transfer
     return metrics(meter, wall_s, rate, args.kv_budget), meter.steps
 

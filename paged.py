@@ -1,9 +1,7 @@
-"""The paged KV cache: the block allocator, write and gather on the pool, and the view of the pool that
-one model forward reads and writes. The pool is k, v: (n_layer, num_blocks + 1, block_size, n_head, head_size).
-It is block-major, so one block's K for every head is one contiguous run and a gather copies whole blocks;
-the pool of one (layer, head) is k[layer, :, :, head], of shape (num_blocks + 1, block_size, head_size).
-Position p of a sequence lives in slot block_table[p // block_size] * block_size + p % block_size, a row
-of k[layer].view(-1, n_head, head_size)."""
+"""The paged KV cache: the block allocator, write and gather on the pool, and the step batches a forward
+reads and writes through. The pool, k and v: (n_layer, num_blocks + 1, block_size, n_head, head_size), is
+block-major: a gather copies whole blocks; (layer, head)'s own pool is k[layer, :, :, head]. Position p
+of a sequence lives in slot block_table[p // block_size] * block_size + p % block_size of k[layer]."""
 from collections import OrderedDict
 
 import torch
@@ -13,11 +11,10 @@ from model import attend
 
 
 class BlockAllocator:
-    """Clean blocks sit on a LIFO stack: the most recently freed goes out first. A full block in the
-    prefix cache may be held by several sequences (ref_count); after its last holder lets go it stays
-    cached, reclaimable, and is evicted least recently released first, only when no clean block is left.
-    NOTE: blocks are 0 .. num_blocks - 1; the pool's one more, padding_block, is never handed out, so
-    padded rows of a batch read and write it harmlessly."""
+    """Clean blocks sit on a LIFO stack: the most recently freed goes out first. A block may have several
+    holders (ref_count); a full one, hashed, stays cached after its last holder lets go, and is evicted least
+    recently released first, only when no clean block is left.
+    NOTE: the pool's last block, padding_block, is never handed out: padded rows read and write it harmlessly."""
 
     def __init__(self, num_blocks):
         self.num_blocks = num_blocks
@@ -95,8 +92,7 @@ def gather_kv(pool, block_table):
 
 def gather_attend(q, k_pool, v_pool, block_table, kv_len):
     """Decode attention straight from the pool: q (B, H, D), block_table (B, W), kv_len (B,) -> (B, H, D).
-    Products and sums, not matmuls, so torch.compile fuses the block gather into the score and value
-    reductions instead of materializing a gathered copy. Padded rows (kv_len 1) are harmless."""
+    Products and sums, so that torch.compile fuses the block gather into the reductions, with no copy."""
     B, H, D = q.shape
     acc = torch.promote_types(q.dtype, torch.float32)  # bfloat16 accumulates in float32, float64 stays exact
     scores = (q[:, None, None].to(acc) * k_pool[block_table].to(acc)).sum(-1) * D**-0.5  # (B, W, bs, H)
@@ -107,19 +103,18 @@ def gather_attend(q, k_pool, v_pool, block_table, kv_len):
 
 
 class StepBatch:
-    """Where one forward's new tokens sit, and which logits it samples from. Entry i of the step's plan has
-    starts[i] tokens cached and brings lens[i] new ones. One-token entries (decode) come first and attend
-    together in one call; each prefill chunk then attends alone, at its own size, so no chunk pays for
-    another. samplers: (entry, row) for each sequence whose next token the step gives: the entry's last
-    token's logits, the row's sampling settings (forks of a prompt share its entry).
-
-    Built on the host with tensor ops; stage() copies to the device, at once:
+    """Where one forward's new tokens sit. Entry i of the plan, (sequence, n), brings n new tokens after its
+    num_computed cached ones; one-token entries (decode) come first and attend together in one call, then
+    each prefill chunk attends alone, at its own size. samplers: (entry, sequence) for each sequence whose
+    next token is due: the entry's last token gives its logits (forks of a prompt share its entry).
+    Built on the host with tensor ops, then copied to the device at once by stage():
         idx, positions (N,): the new tokens and their positions;
         logit_rows (S,): the token whose logits each sampler reads;
-        sample_rows, sample_pos (S,): each sampler's row, and the position of the token it samples.
-    A cache implements three hooks: store, attend_decode and chunk_kv."""
+        sample_rows, sample_pos (S,): each sampler's row, and the position of the token it samples."""
 
-    def __init__(self, tokens, starts, lens, samplers):
+    def __init__(self, plan, samplers):
+        starts, lens = [s.num_computed for s, _ in plan], [n for _, n in plan]
+        tokens = torch.tensor([t for s, n in plan for t in s.tokens[s.num_computed : s.num_computed + n]])
         R, N, S = len(lens), sum(lens), sum(n == 1 for n in lens)
         assert all(n == 1 for n in lens[:S]), "one-token entries must come first"
         lens_t, starts_t = torch.tensor(lens), torch.tensor(starts)  # (R,) each
@@ -131,8 +126,8 @@ class StepBatch:
         self.spans = [(end - n, end) for n, end in zip(lens, ends.tolist())]  # each entry's tokens in the step
         self.chunks = [(i, *self.spans[i], starts[i]) for i in range(S, R)]
         entries = torch.tensor([i for i, _ in samplers], dtype=torch.long)
-        self.host = [tokens, self.positions_cpu, (ends - 1)[entries], torch.tensor([row for _, row in samplers]),
-                     self.kv_lens[entries]]
+        rows = torch.tensor([s.row for _, s in samplers], dtype=torch.long)
+        self.host = [tokens, self.positions_cpu, (ends - 1)[entries], rows, self.kv_lens[entries]]
 
     def stage(self, device, *more):
         """One host-to-device copy for every small tensor of the step -> each as a view of it on the device."""
@@ -145,16 +140,13 @@ class StepBatch:
         self.idx, self.positions, self.logit_rows, self.sample_rows, self.sample_pos = views[:5]
         return views[5:]
 
-    def store(self, layer, k, v):
-        """Keep this step's new K/V of one layer: k, v (N, H, D)."""
+    def store(self, layer, k, v):  # hook: keep one layer's new K/V, k, v: (N, H, D)
         raise NotImplementedError
 
-    def attend_decode(self, layer, q):
-        """The decode entries' attention over their keys, this step's included: q (S, H, D) -> (S, H, D)."""
+    def attend_decode(self, layer, q):  # hook: q (S, H, D) -> (S, H, D), the decode entries' attention
         raise NotImplementedError
 
-    def chunk_kv(self, layer, i):
-        """Every key and value that entry i's chunk attends, its cached ones and its own: (1, L, H, D) each."""
+    def chunk_kv(self, layer, i):  # hook: the keys and values entry i's chunk attends, its own too: (1, L, H, D)
         raise NotImplementedError
 
     def attend(self, layer, q, k, v):
@@ -173,29 +165,26 @@ class StepBatch:
 
 
 class PagedBatch(StepBatch):
-    """The pool seen by one forward: each new token's slot, and the block tables to read through, cut
-    from the engine's persistent block_tables (max_batch, blocks per sequence) by the entries' rows.
-    compiled: decode attention through torch.compile(gather_attend) rather than gather_kv + SDPA.
-    Device tensors, besides StepBatch's: slots (N,); table (R, W): every entry's blocks read;
-    decode_table (B, W'), decode_len (B,): the decode entries', padded to B >= 2 rows when compiled."""
+    """The pool seen by one forward, through tables cut from the engine's block_tables (max_batch, W) by row:
+    slots (N,): where each new token's K/V go; table (R, W): each entry's blocks; decode_table (B, W'),
+    decode_len (B,): the decode entries'. compiled: decode attention through torch.compile(gather_attend)."""
 
     compiled_fn = None  # torch.compile(gather_attend), built on first use
 
-    def __init__(self, k_pool, v_pool, block_tables, padding_block, tokens, rows, starts, lens, samplers, compiled):
-        super().__init__(tokens, starts, lens, samplers)
+    def __init__(self, plan, samplers, k_pool, v_pool, block_tables, padding_block, compiled):
+        super().__init__(plan, samplers)
         self.k_pool, self.v_pool, self.compiled = k_pool, v_pool, compiled
         bs, S = k_pool.shape[2], self.num_decode
         self.blocks_read = (self.kv_lens + bs - 1) // bs  # (R,)
-        table = block_tables[torch.tensor(rows), : int(self.blocks_read.max())].long()  # (R, W)
+        table = block_tables[torch.tensor([s.row for s, _ in plan]), : int(self.blocks_read.max())].long()  # (R, W)
         slots = table[self.entry, self.positions_cpu // bs] * bs + self.positions_cpu % bs  # (N,)
         decode_table, decode_len = table[:S, : int(self.blocks_read[:S].max()) if S else 0], self.kv_lens[:S]
         if compiled and S:  # sizes of 1 would specialize the graph: pad to 2 with the padding block
             B, W = max(S, 2), max(decode_table.shape[1], 2)
             decode_table = F.pad(decode_table, (0, W - decode_table.shape[1], 0, B - S), value=padding_block)
             decode_len = F.pad(decode_len, (0, B - S), value=1)
-        self.slots, self.table, self.decode_table, self.decode_len = self.stage(
-            k_pool.device, slots, table, decode_table, decode_len
-        )
+        views = self.stage(k_pool.device, slots, table, decode_table, decode_len)
+        self.slots, self.table, self.decode_table, self.decode_len = views
         self.blocks_read = self.blocks_read.tolist()
 
     def store(self, layer, k, v):

@@ -1,11 +1,7 @@
-"""Requests, the sequences that run for them, and the engines that serve them. Engine.step is one model
-forward: plan (which sequences bring how many tokens) -> batch (where their K/V go, what they read, which
-logits are sampled) -> forward -> sample -> bookkeeping. PagedEngine keeps K/V in the block pool (paged.py):
-it plans decode plus chunked prefill under a token budget, with backpressure, prefix caching, preemption,
-and forks that share blocks (n samples, beam search). The baseline it is measured against,
-ContiguousEngine, is in bench/contiguous.py."""
+"""Requests, the sequences that run for them, and the engine that serves them in steps of one forward:
+plan -> batch -> forward -> sample -> bookkeeping. PagedEngine keeps K/V in the block pool (paged.py), with
+chunked prefill, backpressure, prefix caching, preemption, and forks that share blocks (samples, beams)."""
 import hashlib
-import heapq
 import itertools
 import math
 import time
@@ -20,9 +16,8 @@ from paged import BlockAllocator, PagedBatch
 
 
 class Request:
-    """What a user asks for: a prompt, how many new tokens, how to choose them, and how many sequences:
-    n samples or num_beams beams. It keeps its arrival and first-token times and its sequences: one until
-    its prompt is computed, then n samples in order, or its live beams best first."""
+    """What a user asks for, its times, and its sequences: one until its prompt is computed, then n samples
+    in order, or num_beams live beams best first."""
 
     def __init__(
         self, prompt, max_new_tokens, temperature=0.0, top_k=None, seed=0, n=1, num_beams=1, length_penalty=1.0
@@ -46,7 +41,7 @@ class Request:
 
 class Sequence:
     """What runs: tokens whose K/V the engine computes, through a block table, in a row of the engine's
-    per-sequence tensors. A fork starts from its parent's tokens, score and K/V, with a seed of its own."""
+    per-sequence tensors. A fork starts from its parent's tokens, score and K/V, with its own seed."""
 
     def __init__(self, request, tokens, seed):
         self.request, self.tokens, self.seed = request, list(tokens), seed
@@ -71,13 +66,13 @@ class Sequence:
         return child
 
 
-# wall time: the engine only asks now() and sleep(), so a test can swap in a fake clock
+# wall time: the engine asks only now(), the harness sleep() too, so a test can swap in a fake clock
 WALL_CLOCK = SimpleNamespace(now=time.perf_counter, sleep=time.sleep)
 
 
 class Engine:
-    """Runs requests to completion. Subclasses choose each step's tokens (schedule) and where their K/V
-    live (make_batch, fork_kv, release)."""
+    """Runs requests to completion. Subclasses choose each step's tokens (schedule) and keep K/V (make_batch,
+    fork_kv, release)."""
 
     def __init__(self, model, max_batch=64, num_tokens=None, clock=None):
         if max_batch < 1:
@@ -88,8 +83,6 @@ class Engine:
         self.num_tokens = num_tokens or model.config.vocab_size
         self.device = model.lm_head.weight.device
         self.clock = clock or WALL_CLOCK
-        self.arriving = []  # a heap of (arrival, order, request) not yet arrived
-        self.order = itertools.count()
         self.waiting, self.running, self.finished = deque(), [], []  # sequences, sequences, requests
         # each running sequence holds a row of these, so a step reads its sampling settings without copying them
         self.free_rows = list(range(max_batch - 1, -1, -1))
@@ -98,13 +91,13 @@ class Engine:
         self.seed = torch.zeros(max_batch, dtype=torch.long, device=self.device)
 
     def add(self, r, arrival=None):
-        """Queue a request that arrives at clock time `arrival` (default: now), or refuse it with a
-        one-line ValueError if it can never run or was added before."""
+        """Queue a request that arrived at clock time `arrival` (default: now), or refuse it with a one-line
+        ValueError if it can never run or was added before."""
         if r.arrival is not None:
             raise ValueError(f"this request was added before (it is {r.status}); a request runs once")
         self.check(r)
         r.arrival = self.clock.now() if arrival is None else arrival
-        heapq.heappush(self.arriving, (r.arrival, next(self.order), r))
+        self.waiting.append(r.sequences[0])
 
     def check(self, r):
         num_prompt, total = len(r.prompt), len(r.prompt) + r.max_new_tokens
@@ -113,31 +106,26 @@ class Engine:
         if r.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens is {r.max_new_tokens}; it must be at least 1")
         if total - 1 > self.window:  # the last new token is never fed back, so it needs no position
-            raise ValueError(
-                f"prompt of {num_prompt} tokens + max_new_tokens {r.max_new_tokens} = {total} exceeds the "
-                f"model's context of {self.window} (+1: the last token is never fed back)"
-            )
+            why = f"prompt of {num_prompt} tokens + max_new_tokens {r.max_new_tokens} = {total}"
+            raise ValueError(f"{why} exceeds the model's context of {self.window} (+1: the last is never fed back)")
         if not (math.isfinite(r.temperature) and r.temperature >= 0) or (r.top_k is not None and r.top_k < 1):
             raise ValueError(f"temperature {r.temperature} must be a finite number >= 0 and top_k {r.top_k} >= 1")
         if min(r.n, r.num_beams) < 1 or (r.num_beams > 1 and (r.n > 1 or r.temperature > 0 or r.top_k)):
-            raise ValueError(
-                f"n {r.n} and num_beams {r.num_beams} must be at least 1; beam search is greedy: "
-                "it takes no n, temperature or top_k"
-            )
+            why = f"n {r.n} and num_beams {r.num_beams} must be at least 1"
+            raise ValueError(f"{why}; beam search is greedy: it takes no n, temperature or top_k")
         if r.width > self.max_running:
             raise ValueError(f"{r.width} sequences of one request exceed the {self.max_running} that run at once")
 
-    def run(self, requests, arrivals=None):
-        for r, arrival in zip(requests, arrivals or [None] * len(requests)):
-            self.add(r, arrival)
-        while self.arriving or self.waiting or self.running:
+    def run(self, requests):
+        for r in requests:
+            self.add(r)
+        while self.waiting or self.running:
             self.step()
         return requests
 
     @torch.no_grad()
     def step(self):
         """One forward: plan -> batch -> forward -> sample -> bookkeeping."""
-        self.wait_for_work()
         plan = self.plan_step()  # [(sequence, number of new tokens)], one-token entries first
         samplers = self.samplers(plan)
         batch = self.make_batch(plan, samplers)
@@ -145,16 +133,6 @@ class Engine:
         self.computed(plan, samplers)
         tokens = self.sample(logits, batch, samplers)
         self.append(samplers, tokens, logits)
-
-    def wait_for_work(self):
-        self.take_arrivals()
-        while self.arriving and not self.waiting and not self.running:  # idle: sleep until the next arrival
-            self.clock.sleep(max(0.0, self.arriving[0][0] - self.clock.now()))
-            self.take_arrivals()
-
-    def take_arrivals(self):
-        while self.arriving and self.arriving[0][0] <= self.clock.now():
-            self.waiting.append(heapq.heappop(self.arriving)[2].sequences[0])
 
     def plan_step(self):
         plan = self.schedule()
@@ -276,15 +254,12 @@ class PagedEngine(Engine):
     admitted sequences, then newly admitted ones, up to token_budget tokens in all."""
 
     def __init__(
-        self, model, num_blocks, block_size=16, token_budget=512, max_batch=64, prefix_cache=True, num_tokens=None,
-        clock=None, compile="auto",
-    ):  # fmt: skip
-        super().__init__(model, max_batch, num_tokens, clock)
+        self, model, num_blocks, block_size=16, token_budget=512, max_batch=64, prefix_cache=True, compile="auto", **kw
+    ):
+        super().__init__(model, max_batch, **kw)  # and num_tokens, clock
         if min(block_size, token_budget, num_blocks) < 1 or compile not in ("auto", "on", "off"):
-            raise ValueError(
-                f"block_size {block_size}, token_budget {token_budget}, num_blocks {num_blocks} must "
-                f"be >= 1, compile {compile!r} auto, on or off"
-            )
+            why = f"block_size {block_size}, token_budget {token_budget}, num_blocks {num_blocks} must be >= 1"
+            raise ValueError(f"{why}, compile {compile!r} auto, on or off")
         self.allocator = BlockAllocator(num_blocks)
         c = model.config  # the pool, allocated once; (layer, head)'s own is k_pool[layer, :, :, head]
         shape = (c.n_layer, num_blocks + 1, block_size, c.n_head, c.n_embd // c.n_head)  # + the padding block
@@ -303,11 +278,9 @@ class PagedEngine(Engine):
         super().check(r)
         need = blocks_for(len(r.prompt) + r.max_new_tokens - 1, self.block_size)  # the last token is never fed back
         if need * r.num_beams > self.allocator.num_blocks:  # a preempted beam group comes back whole
+            why = f"a request of {len(r.prompt)} + {r.max_new_tokens} tokens needs {need} blocks of {self.block_size}"
             each = f" for each of {r.num_beams} beams" if r.num_beams > 1 else ""
-            raise ValueError(
-                f"a request of {len(r.prompt)} + {r.max_new_tokens} tokens needs {need} blocks of "
-                f"{self.block_size}{each}, but the pool has only {self.allocator.num_blocks}"
-            )
+            raise ValueError(f"{why}{each}, but the pool has only {self.allocator.num_blocks}")
 
     def schedule(self):
         budget, plan = self.token_budget, []
@@ -336,8 +309,9 @@ class PagedEngine(Engine):
         k = s.num_computed // self.block_size  # the block its next token goes in
         if k < len(s.block_table) and not self.allocator.is_shared(s.block_table[k]):
             return True
-        while not self.allocator.can_allocate(1):
-            group = self.group_of(self.running[-1])
+        while not self.allocator.can_allocate(1):  # a beam group goes whole: a beam needs all its group to step
+            newest = self.running[-1]
+            group = [x for x in self.running if x.request is newest.request] if newest.request.num_beams > 1 else [newest]
             for victim in reversed(group):
                 self.preempt(victim)
             if s in group:
@@ -353,20 +327,16 @@ class PagedEngine(Engine):
         self.block_tables[s.row, k] = block
         return True
 
-    def group_of(self, s):  # what preemption takes with s: a beam group needs all its beams to step
-        return [x for x in self.running if x.request is s.request] if s.request.num_beams > 1 else [s]
-
     def preempt(self, s):
-        """Free s's blocks (hashed ones stay cached) and requeue it first. It keeps its tokens and
-        recomputes their K/V when readmitted."""
+        """Free s's blocks (hashed ones stay cached) and requeue it first, to recompute its K/V when readmitted."""
         self.stop(s, "waiting")
         s.num_computed = 0
         self.waiting.appendleft(s)
 
     def admit(self, s):
-        """Admit s (with the rest of its beam group, if preempted as one) if free blocks cover its tokens,
-        less those the prefix cache holds, and the copies its forks will make of a shared last block, and
-        leave the watermark. -> the admitted; none if s waits, and so does everyone behind it."""
+        """Admit s, with its beam group if preempted as one, if free blocks cover its tokens less the cached
+        ones, and its forks' copies of a shared last block, and leave the watermark. -> the admitted, or none:
+        s waits, and so does everyone behind it."""
         same = lambda x: x.request is s.request  # noqa: E731
         group = list(itertools.takewhile(same, self.waiting)) if s.request.num_beams > 1 else [s]
         if sum(x.width() for x in self.running + group) > self.max_running:
@@ -377,7 +347,8 @@ class PagedEngine(Engine):
         new_blocks = [blocks_for(len(x.tokens), self.block_size) - len(h) for x, h in zip(group, hits)]
         revived = {b for h in hits for b in h if self.allocator.ref_count[b] == 0}  # free cached hits count
         copies = (s.width() - 1) * (len(s.tokens) % self.block_size > 0)  # alone, its forks may preempt each other
-        if not self.allocator.can_allocate(sum(new_blocks) + len(revived) + (copies + self.watermark) * bool(self.running)):
+        need = sum(new_blocks) + len(revived) + (copies + self.watermark) * bool(self.running)
+        if not self.allocator.can_allocate(need):
             return []
         for x, h, n in zip(group, hits, new_blocks):
             for block in h:
@@ -401,8 +372,7 @@ class PagedEngine(Engine):
         return s.block_hashes[k]
 
     def cached_prefix(self, s):
-        """The longest run of cached full blocks heading s's tokens, leaving at least the last token to
-        compute: its logits start generation."""
+        """The cached full blocks heading s's tokens; the last token is always computed: its logits start generation."""
         hits = []
         for k in range((len(s.tokens) - 1) // self.block_size):
             block = self.allocator.lookup(self.block_hash(s, k), self.block_tokens(s, k))
@@ -421,12 +391,8 @@ class PagedEngine(Engine):
 
     def make_batch(self, plan, samplers):
         compiled = self.compile != "off" and sum(n == 1 for _, n in plan) >= self.compile_from
-        rows, starts, lens = [s.row for s, _ in plan], [s.num_computed for s, _ in plan], [n for _, n in plan]
-        samplers = [(i, s.row) for i, s in samplers]
-        return PagedBatch(
-            self.k_pool, self.v_pool, self.block_tables, self.allocator.padding_block, new_tokens(plan), rows, starts,
-            lens, samplers, compiled,
-        )  # fmt: skip
+        pool = self.k_pool, self.v_pool, self.block_tables, self.allocator.padding_block
+        return PagedBatch(plan, samplers, *pool, compiled)
 
     def computed(self, plan, samplers):
         super().computed(plan, samplers)
@@ -449,6 +415,3 @@ class PagedEngine(Engine):
 def blocks_for(num_tokens, block_size):
     return -(-num_tokens // block_size)
 
-
-def new_tokens(plan):  # (N,): the tokens whose K/V each entry computes this step
-    return torch.tensor([t for s, n in plan for t in s.tokens[s.num_computed : s.num_computed + n]])

@@ -5,7 +5,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from model import attend
 from paged import StepBatch
-from scheduler import Engine, new_tokens
+from scheduler import Engine
 
 
 class ContiguousBatch(StepBatch):
@@ -14,7 +14,7 @@ class ContiguousBatch(StepBatch):
 
     def __init__(self, plan, samplers, device):
         self.sequences = [s for s, _ in plan]
-        super().__init__(new_tokens(plan), [s.num_computed for s in self.sequences], [n for _, n in plan], samplers)
+        super().__init__(plan, samplers)
         [self.decode_pos] = self.stage(device, self.kv_lens[: self.num_decode, None] - 1)  # (S, 1)
 
     def store(self, layer, k, v):  # k, v: (N, H, D)
@@ -71,7 +71,7 @@ class ContiguousEngine(Engine):
         return [(s, len(s.tokens) - s.num_computed) for s in self.running]
 
     def make_batch(self, plan, samplers):
-        return ContiguousBatch(plan, [(i, s.row) for i, s in samplers], self.device)
+        return ContiguousBatch(plan, samplers, self.device)
 
     def fork_kv(self, parent, child):  # torch.cat makes a new tensor on every append: sharing the old ones is safe
         child.k, child.v, child.num_computed = list(parent.k), list(parent.v), parent.num_computed

@@ -21,6 +21,7 @@ import os
 import statistics
 import sys
 import time
+from types import SimpleNamespace
 
 import torch
 
@@ -37,7 +38,8 @@ class FloorBatch(StepBatch):
     """A step whose earlier K/V already sit gathered in dense tensors: nothing is written or read back."""
 
     def __init__(self, starts, lens, samplers, config):
-        super().__init__(torch.randint(0, config.vocab_size, (sum(lens),)), starts, lens, samplers)
+        plan = [(SimpleNamespace(tokens=[0] * (a + n), num_computed=a, row=0), n) for a, n in zip(starts, lens)]
+        super().__init__(plan, [(i, plan[i][0]) for i, _ in samplers])
         [self.decode_pos] = self.stage(torch.device("cpu"), self.kv_lens[: self.num_decode, None] - 1)
         H, D, S = config.n_head, config.n_embd // config.n_head, self.num_decode
         L = int(self.kv_lens[:S].max()) if S else 0

@@ -37,7 +37,7 @@ def run(model, requests, num_tokens, width):
     for r in requests:
         engine.add(r)
     shared, private, start = [], [], time.perf_counter()
-    while engine.running or engine.waiting or engine.arriving:
+    while engine.running or engine.waiting:
         engine.step()
         shared.append(engine.allocator.num_blocks - engine.allocator.num_free())
         private.append(sum(len(s.block_table) for s in engine.running))

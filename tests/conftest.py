@@ -84,10 +84,10 @@ def run_engine(engine, requests, arrivals=None, check=False):
     arrivals = arrivals or [0] * len(requests)
     pending = sorted(zip(arrivals, range(len(requests))))
     step = 0
-    while pending or engine.arriving or engine.waiting or engine.running:
+    while pending or engine.waiting or engine.running:
         while pending and pending[0][0] <= step:
             engine.add(requests[pending.pop(0)[1]])
-        if engine.arriving or engine.waiting or engine.running:
+        if engine.waiting or engine.running:
             engine.step()
             if check:
                 check_invariants(engine)

@@ -43,11 +43,8 @@ def test_no_reservation_policy_ever_holds_more_than_the_budget(model, reserve):
         rng = random.Random(seed)
         arrivals = sorted(rng.uniform(0, 0.05) for _ in prompts)
         requests = make_requests(prompts, news)
-        for r, at in zip(requests, arrivals):
-            engine.add(r, at)
         peak = 0
-        while engine.arriving or engine.waiting or engine.running:
-            engine.step()
+        for _ in generate.arrive(engine, requests, arrivals):
             held = sum(engine.reservation(s.request) for s in engine.running)
             assert held == engine.reserved <= 100
             assert all(s.num_computed <= engine.reservation(s.request) for s in engine.running)
@@ -71,7 +68,8 @@ def test_no_request_is_scheduled_before_its_arrival_and_the_idle_engine_sleeps(m
         return plan
     engine.schedule = record
     requests, meter = make_requests(prompts, news), Meter(engine)
-    engine.run(requests, arrivals)
+    for _ in generate.arrive(engine, requests, arrivals):
+        pass
     assert all(scheduled[id(r)] >= at for r, at in zip(requests, arrivals))
     assert clock.slept > 4.0 and len(meter.steps) < 200  # it slept through the gaps instead of spinning
     assert [r.generated for r in requests] == baseline(model, prompts, news)

@@ -133,7 +133,7 @@ def test_dying_beams_give_their_blocks_back_and_sharing_saves_blocks(model):
     r = Request(prompt, 12, num_beams=4)
     engine.add(r)
     held, private = [], []
-    while engine.running or engine.waiting or engine.arriving:
+    while engine.running or engine.waiting:
         engine.step()
         check_invariants(engine)
         live = [s for s in engine.running]

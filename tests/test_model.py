@@ -10,7 +10,7 @@ from model import GPT, GPTConfig
 from bench.contiguous import ContiguousBatch, ContiguousEngine
 from model import sample, uniform
 from paged import PagedBatch
-from scheduler import Request, new_tokens
+from scheduler import Request
 from train_tiny import get_tokenizer, load_checkpoint, shakespeare
 
 
@@ -26,7 +26,7 @@ def incremental_logits(model, prompts, decode_steps, make_batch):
     with torch.no_grad():
         for _ in range(decode_steps + 1):
             plan = sorted([(r, len(r.tokens) - r.num_computed) for r in reqs], key=lambda item: item[1] > 1)
-            batch = make_batch(plan, [(i, r.row) for i, (r, _) in enumerate(plan)])
+            batch = make_batch(plan, [(i, r) for i, (r, _) in enumerate(plan)])
             logits, _ = model(batch.idx, batch=batch)
             for (r, n), row in zip(plan, logits):
                 r.num_computed += n
@@ -44,9 +44,7 @@ def test_cached_decode_equals_full_recompute(model, cache):
     block_tables = torch.tensor([[i + 8 * j for j in range(8)] for i in range(len(prompts))], dtype=torch.int32)
 
     def paged_batch(plan, samplers):
-        rows, starts, lens = zip(*[(r.row, r.num_computed, n) for r, n in plan])
-        return PagedBatch(k_pool, v_pool, block_tables, 64, new_tokens(plan), rows, starts, lens, samplers,
-                          compiled="compiled" in cache)
+        return PagedBatch(plan, samplers, k_pool, v_pool, block_tables, 64, compiled="compiled" in cache)
 
     make_batch = paged_batch if cache.startswith("paged") else (lambda plan, samplers: ContiguousBatch(plan, samplers, torch.device("cpu")))
     reqs, steps = incremental_logits(model, prompts, 6, make_batch)
