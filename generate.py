@@ -33,11 +33,11 @@ class Meter:
     def __init__(self, engine):
         self.engine, self.steps, self.step_start = engine, [], None
         self.prefill_tokens = self.admitted_tokens = self.cached_tokens = self.num_preemptions = 0
-        plan_step, sample = engine.plan_step, engine.sample
+        schedule, sample = engine.schedule, engine.sample
         admit, preempt = getattr(engine, "admit", None), getattr(engine, "preempt", None)
 
         def planned():
-            plan = plan_step()
+            plan = schedule()
             self.step_start = engine.clock.now()
             self.prefill_tokens += sum(n for s, n in plan if s.status == "prefilling")
             self.plan = plan
@@ -59,7 +59,7 @@ class Meter:
         def preempted(s):
             self.num_preemptions += 1
             preempt(s)
-        engine.plan_step, engine.sample = planned, sampled
+        engine.schedule, engine.sample = planned, sampled
         if admit:
             engine.admit, engine.preempt = admitted, preempted
 

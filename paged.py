@@ -34,16 +34,14 @@ class BlockAllocator:
     def allocate(self, n=1):
         if not self.can_allocate(n):
             raise RuntimeError(f"KV pool exhausted: {n} blocks asked, {self.num_free()} of {self.num_blocks} free")
-        return [self.take() for _ in range(n)]
-
-    def take(self):
-        if self.clean:
-            block = self.clean.pop()
-        else:
+        blocks = [self.clean.pop() for _ in range(min(n, len(self.clean)))]
+        while len(blocks) < n:  # no clean block left: evict the least recently released cached one
             block, _ = self.cached.popitem(last=False)
             del self.cache[self.hash_of.pop(block)]
-        self.ref_count[block] = 1
-        return block
+            blocks.append(block)
+        for block in blocks:
+            self.ref_count[block] = 1
+        return blocks
 
     def free(self, blocks):
         """Drop one hold on each block, tail first, so shared heads are the last to be evicted."""

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import torch
 
+from model import prepack
 from model import sample as sample_logits
 from paged import BlockAllocator, PagedBatch
 
@@ -20,19 +21,17 @@ class Request:
     in order, or num_beams live beams best first."""
 
     def __init__(
-        self, prompt, max_new_tokens, temperature=0.0, top_k=None, seed=0, n=1, num_beams=1, length_penalty=1.0
+        self, prompt, max_new_tokens, temperature=0, top_k=None, seed=0, n=1, num_beams=1, length_penalty=1.0, eos=None
     ):
         self.prompt, self.max_new_tokens = list(prompt), max_new_tokens
         self.temperature, self.top_k, self.seed = temperature, top_k, seed  # sample i of n draws with seed + i
         self.n, self.num_beams, self.length_penalty = n, num_beams, length_penalty
+        self.eos = eos  # a token that ends each sequence sampling it (as HF's eos_token_id); None: only max_new_tokens
         self.status = "waiting"  # -> running -> done
         self.arrival = self.first_token_at = self.done_at = None
-        self.forked = False  # whether its prompt has forked into its n samples or beams
+        self.width = max(n, num_beams)  # the sequences it runs at once
+        self.forked = False  # whether its prompt has forked into them
         self.sequences = [Sequence(self, prompt, seed)]
-
-    @property
-    def width(self):  # the sequences it runs at once
-        return max(self.n, self.num_beams)
 
     @property
     def generated(self):  # the first sample, or the best beam
@@ -60,14 +59,8 @@ class Sequence:
     def width(self):  # rows admission finds for it: before its prompt forks, every sequence its request runs
         return 1 if self.request.forked else self.request.width
 
-    def fork(self, seed):
-        child = Sequence(self.request, self.tokens, seed)
-        child.block_hashes, child.score = self.block_hashes[:], self.score
-        return child
 
-
-# wall time: the engine asks only now(), the harness sleep() too, so a test can swap in a fake clock
-WALL_CLOCK = SimpleNamespace(now=time.perf_counter, sleep=time.sleep)
+WALL_CLOCK = SimpleNamespace(now=time.perf_counter, sleep=time.sleep)  # the harness sleeps; tests swap in fakes
 
 
 class Engine:
@@ -78,6 +71,7 @@ class Engine:
         if max_batch < 1:
             raise ValueError(f"max_batch is {max_batch}; it must be at least 1")
         self.model, self.max_batch, self.window = model, max_batch, model.config.block_size
+        prepack(model)  # on a CPU in float32, linear weights in oneDNN's layout, once
         self.max_running = max_batch  # sequences at once
         # ids from num_tokens on are never sampled: nanoGPT pads GPT-2's 50,257 tokens to 50,304 ids
         self.num_tokens = num_tokens or model.config.vocab_size
@@ -87,12 +81,10 @@ class Engine:
         # each running sequence holds a row of these, so a step reads its sampling settings without copying them
         self.free_rows = list(range(max_batch - 1, -1, -1))
         self.temperature = torch.zeros(max_batch, device=self.device)
-        self.top_k = torch.zeros(max_batch, dtype=torch.long, device=self.device)
-        self.seed = torch.zeros(max_batch, dtype=torch.long, device=self.device)
+        self.top_k, self.seed = (torch.zeros(max_batch, dtype=torch.long, device=self.device) for _ in range(2))
 
     def add(self, r, arrival=None):
-        """Queue a request that arrived at clock time `arrival` (default: now), or refuse it with a one-line
-        ValueError if it can never run or was added before."""
+        """Queue a request that arrived at clock time `arrival` (default: now), or refuse it in one line."""
         if r.arrival is not None:
             raise ValueError(f"this request was added before (it is {r.status}); a request runs once")
         self.check(r)
@@ -110,9 +102,10 @@ class Engine:
             raise ValueError(f"{why} exceeds the model's context of {self.window} (+1: the last is never fed back)")
         if not (math.isfinite(r.temperature) and r.temperature >= 0) or (r.top_k is not None and r.top_k < 1):
             raise ValueError(f"temperature {r.temperature} must be a finite number >= 0 and top_k {r.top_k} >= 1")
-        if min(r.n, r.num_beams) < 1 or (r.num_beams > 1 and (r.n > 1 or r.temperature > 0 or r.top_k)):
+        greedy = r.n == 1 and r.temperature == 0 and r.top_k is None and r.eos is None
+        if min(r.n, r.num_beams) < 1 or (r.num_beams > 1 and not greedy):
             why = f"n {r.n} and num_beams {r.num_beams} must be at least 1"
-            raise ValueError(f"{why}; beam search is greedy: it takes no n, temperature or top_k")
+            raise ValueError(f"{why}; beam search is greedy and runs max_new_tokens: no n, temperature, top_k or eos")
         if r.width > self.max_running:
             raise ValueError(f"{r.width} sequences of one request exceed the {self.max_running} that run at once")
 
@@ -121,12 +114,13 @@ class Engine:
             self.add(r)
         while self.waiting or self.running:
             self.step()
-        return requests
 
     @torch.no_grad()
     def step(self):
         """One forward: plan -> batch -> forward -> sample -> bookkeeping."""
-        plan = self.plan_step()  # [(sequence, number of new tokens)], one-token entries first
+        plan = sorted(self.schedule(), key=lambda entry: entry[1] > 1)  # [(sequence, new tokens)], one-token first
+        if not plan:  # admission always lets something run; never spin
+            raise RuntimeError(f"no progress: {len(self.waiting)} waiting, {len(self.running)} running")
         samplers = self.samplers(plan)
         batch = self.make_batch(plan, samplers)
         logits, _ = self.model(batch.idx, batch=batch)  # (len(samplers), V)
@@ -134,15 +128,9 @@ class Engine:
         tokens = self.sample(logits, batch, samplers)
         self.append(samplers, tokens, logits)
 
-    def plan_step(self):
-        plan = self.schedule()
-        if not plan:  # admission always lets something run; never spin
-            raise RuntimeError(f"no progress: {len(self.waiting)} waiting, {len(self.running)} running")
-        return sorted(plan, key=lambda entry: entry[1] > 1)  # as StepBatch wants
-
     def samplers(self, plan):
-        """(plan entry, sequence) for each sequence whose next token this step gives. A prompt of n samples
-        forks here, before the forward, so that its forks' rows join the step's batch."""
+        """(plan entry, sequence) for each sequence whose next token is due. A prompt of n samples forks here,
+        before the forward, so that its forks' rows join the step's batch."""
         due = [(i, s) for i, (s, n) in enumerate(plan) if s.num_computed + n == len(s.tokens)]
         return [(i, seq) for i, s in due for seq in [s] + self.fork_samples(s)]
 
@@ -154,8 +142,9 @@ class Engine:
         r.sequences += [self.fork(s, r.seed + j) for j in range(1, r.n)]
         return r.sequences[1:]
 
-    def fork(self, s, seed):  # a new sequence that runs on its own from s's tokens; fork_kv gives it s's K/V
-        child = s.fork(seed)
+    def fork(self, s, seed):  # a sequence that runs on its own from s's tokens and score; fork_kv gives it s's K/V
+        child = Sequence(s.request, s.tokens, seed)
+        child.block_hashes, child.score = s.block_hashes[:], s.score
         self.start(child, s.status)
         return child
 
@@ -169,8 +158,7 @@ class Engine:
         self.running.append(s)
 
     def computed(self, plan, samplers):
-        """The plan's new K/V are in the cache; a fork made this step takes its parent's only now, as the
-        forward just wrote them."""
+        """The plan's new K/V are in the cache; a fork made this step takes its parent's now: they were just written."""
         for s, n in plan:
             s.num_computed += n
         for i, s in samplers:
@@ -187,8 +175,8 @@ class Engine:
         return sample_logits(logits, *settings, max(cuts, default=0), len(cuts) < len(hot)).tolist()
 
     def append(self, samplers, tokens, logits):
-        """Each token joins its sequence, which is done at max_new_tokens; a request is done when all its
-        sequences are. A beam holds its log-probabilities instead, and its group steps when all have theirs."""
+        """Each token joins its sequence, done at max_new_tokens, and its request when all are. A beam holds its
+        log-probabilities instead; its group steps when all have theirs."""
         now = self.clock.now()
         beams = [j for j, (_, s) in enumerate(samplers) if s.request.num_beams > 1]
         if beams:  # in float32, as HF's beam search
@@ -202,10 +190,11 @@ class Engine:
                     self.step_beams(r, now)
                 continue
             s.tokens.append(token)
-            if len(s.generated) == r.max_new_tokens:
+            if len(s.generated) == r.max_new_tokens or token == r.eos:  # its blocks free at once
                 self.stop(s, "done")
                 if all(x.status == "done" for x in r.sequences):
-                    self.finish(r, now)
+                    r.done_at, r.status = now, "done"
+                    self.finished.append(r)
 
     def step_beams(self, r, now):
         """One step of beam search for r's group, as HF's: the num_beams likeliest continuations of its
@@ -235,7 +224,8 @@ class Engine:
             for b in r.sequences:
                 b.score /= r.max_new_tokens**r.length_penalty  # as HF scores a finished beam
                 self.stop(b, "done")
-            self.finish(r, now)
+            r.done_at, r.status = now, "done"
+            self.finished.append(r)
 
     def stop(self, s, status):  # done, preempted, or a beam that died
         s.status, s.logprobs = status, None
@@ -243,10 +233,6 @@ class Engine:
         self.free_rows.append(s.row)
         self.release(s)
         s.row = None
-
-    def finish(self, r, now):
-        r.done_at, r.status = now, "done"
-        self.finished.append(r)
 
 
 class PagedEngine(Engine):
@@ -302,16 +288,15 @@ class PagedEngine(Engine):
         return plan
 
     def reserve_slot(self, s):
-        """Give s's next token a slot of its own: a new block when its last is full, a copy of its last when
-        that is shared with a fork (copy-on-write; full blocks are never written, so never copied). If no
-        block is free even after evicting cached ones, preempt the newest running sequence (its whole beam
-        group), s itself included. False if s was preempted."""
+        """Give s's next token a slot of its own: a new block when its last is full, a copy of its last when a
+        fork shares it (copy-on-write: full blocks are never written). With no block free even after evicting
+        cached ones, preempt the newest running sequence, s itself included. False if s was preempted."""
         k = s.num_computed // self.block_size  # the block its next token goes in
         if k < len(s.block_table) and not self.allocator.is_shared(s.block_table[k]):
             return True
         while not self.allocator.can_allocate(1):  # a beam group goes whole: a beam needs all its group to step
-            newest = self.running[-1]
-            group = [x for x in self.running if x.request is newest.request] if newest.request.num_beams > 1 else [newest]
+            newest, r = self.running[-1], self.running[-1].request
+            group = [x for x in self.running if x.request is r] if r.num_beams > 1 else [newest]
             for victim in reversed(group):
                 self.preempt(victim)
             if s in group:
