@@ -1,7 +1,7 @@
 """Serve prompts with a nanoGPT checkpoint, on the contiguous baseline or the paged engine, and run the
 experiments that compare them on one seeded workload.
 
-    python generate.py --paged                       # trains out/ckpt.pt first if it is missing
+    python generate.py --paged                       # the shipped tiny Shakespeare model (models/)
     python generate.py --paged --prompt "ROMEO:" --num-samples 4
     python generate.py --compare --num-requests 128 --prompt-len 8:192 --new-tokens 8:64 --plot out/mixed.png
     python generate.py --compare --kv-budget 4096 --num-requests 150 --sweep-rates 10,20,40 --plot out/sweep.png
@@ -22,7 +22,9 @@ import torch
 
 from bench.contiguous import ContiguousEngine
 from scheduler import PagedEngine, Request, blocks_for
-from train_tiny import HelpFormatter, export_hf, get_tokenizer, load_checkpoint, shakespeare, train
+from train_tiny import HelpFormatter, export_hf, get_tokenizer, load_checkpoint, shakespeare
+
+SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models", "tiny-shakespeare.pt")
 
 
 class Meter:
@@ -204,7 +206,7 @@ def warm_up(engine, num_sequences):
 
 def make_requests(args, prompts, news):
     return [Request(p, n, args.temperature, args.top_k, seed=args.seed + i * args.num_samples, n=args.num_samples,
-                    num_beams=args.num_beams, length_penalty=args.length_penalty)
+                    num_beams=args.num_beams, length_penalty=args.length_penalty, eos=args.eos)
             for i, (p, n) in enumerate(zip(prompts, news))]
 
 def arrive(engine, requests, times):
@@ -287,13 +289,17 @@ def rates(text):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.error = lambda message: fail(message)  # one line, no usage dump
-    p.add_argument("--ckpt", default="out/ckpt.pt", help="nanoGPT checkpoint; the default is trained if missing")
+    p.add_argument("--ckpt", default=SHIPPED, help="a nanoGPT ckpt.pt, or a Hugging Face GPT-2 folder (config.json and "
+                   "model.safetensors); the default ships with the code, python train_tiny.py remakes it in out/")
     p.add_argument("--prompt", action="append", help="a prompt; repeatable (default: four speaker names)")
     p.add_argument("--prompts", help="a UTF-8 file with one prompt per line, \\n for a newline")
     p.add_argument("--num-samples", type=number_type(1), default=1,
                    help="samples per prompt: one prefill, then forks that share its blocks; sample i is seeded seed + i")
     p.add_argument("--num-beams", type=number_type(1), default=1,
                    help="beam search with this many beams (greedy, as transformers' num_beams); prints the best")
+    p.add_argument("--stop-at-eos", action="store_true",
+                   help="end a sequence at <|endoftext|> (kept as its last token), as transformers and vLLM do; "
+                   "by default it runs to --max-new-tokens, as nanoGPT's sample.py")
     p.add_argument("--length-penalty", type=number_type(kind=float), default=1.0,
                    help="beam scores are divided by (new tokens) ** this, as transformers' length_penalty")
     p.add_argument("--max-new-tokens", type=number_type(1), help="tokens generated per prompt (default: 100)")
@@ -334,8 +340,9 @@ def parse_args(argv=None):
                                         ("--length-penalty", args.length_penalty != 1, "--num-beams", args.num_beams > 1)]:
         if value and not present:
             fail(f"{flag} needs {needs}")
-    if args.num_beams > 1 and (args.num_samples > 1 or args.temperature or args.top_k):
-        fail(f"--num-beams {args.num_beams} is greedy beam search: it takes no --num-samples, --temperature or --top-k")
+    if args.num_beams > 1 and (args.num_samples > 1 or args.temperature or args.top_k or args.stop_at_eos):
+        fail(f"--num-beams {args.num_beams} is greedy beam search to --max-new-tokens: it takes no --num-samples, "
+             "--temperature, --top-k or --stop-at-eos")
     args.temperature = (0.0 if args.num_beams > 1 else 0.8) if args.temperature is None else args.temperature
     args.top_k = 200 if args.top_k is None and args.num_beams == 1 else args.top_k
     if args.kv_budget and args.kv_budget < args.block_size:
@@ -396,9 +403,6 @@ def request_json(texts, requests, enc):
     return done
 
 def load_model(args):
-    if args.ckpt == "out/ckpt.pt" and not os.path.exists(args.ckpt):
-        print("no checkpoint at out/ckpt.pt: training the tiny model first (1,000 iterations; 6.5 min on a 2-core Xeon)")
-        train(out_dir="out", device=args.device)
     try:
         model = load_checkpoint(args.ckpt, args.device).to(getattr(torch, args.dtype))
         return model, get_tokenizer(model.config.vocab_size)
@@ -482,6 +486,7 @@ def main(argv=None):
               "tokenizer_config.json")
         return
     model, enc = load_model(args)
+    args.eos = enc.eot_token if args.stop_at_eos else None
     texts, prompts, news = read_prompts(args, enc)
     kinds = choose_designs(args)
     if args.kv_budget:

@@ -118,7 +118,7 @@ def load_checkpoint(path, device="cpu"):
     try:
         if not isinstance(ckpt, dict) or not {"model", "model_args"} <= set(ckpt):
             raise ValueError("it holds no 'model' and 'model_args', as nanoGPT's ckpt.pt does")
-        missing = [k for k in GPTConfig.__annotations__ if k not in ckpt["model_args"] and k != "dropout"]
+        missing = [k for k in GPTConfig.__annotations__ if k not in ckpt["model_args"] and k not in ("dropout", "gelu")]
         if missing:  # GPTConfig's defaults would silently build another model
             raise ValueError(f"its model_args lack {', '.join(missing)}")
         config = GPTConfig(**{k: v for k, v in ckpt["model_args"].items() if k in GPTConfig.__annotations__})

@@ -1,0 +1,31 @@
+"""The tiny Shakespeare model that ships in models/: what the first `python generate.py --paged` runs (issue 27)."""
+import pytest
+import torch
+
+import generate
+from train_tiny import get_tokenizer, load_checkpoint, shakespeare
+
+
+def test_shipped_model_holds_its_val_loss_on_the_held_out_plays():
+    """Every whole 256-token window of the held-out split (each play's last tenth), not a random sample."""
+    model = load_checkpoint(generate.SHIPPED)
+    assert model.config.vocab_size == 2048 and sum(p.numel() for p in model.parameters()) < 1.2e6
+    val = torch.tensor(get_tokenizer(model.config.vocab_size).encode_ordinary(shakespeare()[1]))
+    T = model.config.block_size
+    n = (len(val) - 1) // T
+    x, y = val[: n * T].view(n, T), val[1 : n * T + 1].view(n, T)
+    with torch.no_grad():
+        loss = sum(model(x[i : i + 64], y[i : i + 64])[1].item() * len(x[i : i + 64]) for i in range(0, n, 64)) / n
+    assert n > 700 and loss <= 3.65, loss
+
+
+def test_first_run_serves_the_shipped_model(capsys):
+    generate.main(["--paged", "--max-new-tokens", "20"])
+    out = capsys.readouterr().out
+    assert out.count("--- request") == 4 and "ROMEO:" in out and "paged + prefix cache: 80 new tokens" in out
+
+
+def test_stop_at_eos_with_beams_is_one_line():
+    with pytest.raises(SystemExit) as e:
+        generate.main(["--paged", "--num-beams", "2", "--stop-at-eos"])
+    assert e.value.code.startswith("error: ") and "--stop-at-eos" in e.value.code and "\n" not in e.value.code
