@@ -152,6 +152,8 @@ def load_hf(folder, device="cpu"):
     c = hf.get("n_embd", 0)
     unsupported = [
         (hf.get("model_type") != "gpt2", f"model_type {hf.get('model_type')!r} (GPT-2 is 'gpt2')"),
+        # GPT2DoubleHeadsModel, GPT2ForSequenceClassification...: another head; an old config may name none
+        (hf.get("architectures") not in (None, ["GPT2LMHeadModel"]), f"architectures {hf.get('architectures')}"),
         (hf.get("activation_function", "gelu_new") not in HF_GELU, f"activation {hf.get('activation_function')!r}"),
         (hf.get("n_inner") not in (None, 4 * c), f"n_inner {hf.get('n_inner')} (not 4 x n_embd)"),
         (hf.get("layer_norm_epsilon", 1e-5) != 1e-5, f"layer_norm_epsilon {hf.get('layer_norm_epsilon')}"),

@@ -4,6 +4,7 @@ import json
 import pytest
 import torch
 from conftest import run_engine, tiny_gpt
+from test_model import save_nanogpt_ckpt
 
 import generate
 from scheduler import PagedEngine, Request
@@ -12,7 +13,7 @@ from train_tiny import export_hf, load_checkpoint
 transformers = pytest.importorskip("transformers")
 
 
-def random_hf_gpt2(activation, seed=0):
+def random_hf_gpt2(activation="gelu_new", seed=0):
     torch.manual_seed(seed)
     config = transformers.GPT2Config(vocab_size=50257, n_positions=64, n_embd=32, n_layer=2, n_head=2,
                                      activation_function=activation)
@@ -81,3 +82,44 @@ def test_folders_that_are_not_gpt2_are_one_line_errors(tmp_path):
         with pytest.raises(SystemExit) as e:
             generate.main(["--ckpt", str(folder), "--max-new-tokens", "4"])
         assert e.value.code.startswith("error: ") and "\n" not in e.value.code and message in e.value.code, name
+
+
+def test_nanogpt_checkpoint_gelu_is_optional_and_checked(tmp_path):
+    model = tiny_gpt(dtype=torch.float32)
+    save_nanogpt_ckpt(model, tmp_path / "ckpt.pt")
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    del ckpt["model_args"]["gelu"]  # nanoGPT's own checkpoints predate it, and mean the erf GELU
+    torch.save(ckpt, tmp_path / "old.pt")
+    assert load_checkpoint(tmp_path / "old.pt").config.gelu == "exact"
+    ckpt["model_args"]["gelu"] = "relu"
+    torch.save(ckpt, tmp_path / "bad.pt")
+    with pytest.raises(ValueError, match="gelu is 'relu'") as e:
+        load_checkpoint(tmp_path / "bad.pt")
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("name, change, weights, message", [
+    ("empty", None, None, "config.json"),
+    ("llama", {"model_type": "llama"}, "safe", "model_type 'llama'"),
+    ("relu", {"activation_function": "relu"}, "safe", "activation 'relu'"),
+    ("gelu_fast", {"activation_function": "gelu_fast"}, "safe", "activation 'gelu_fast'"),
+    ("heads", {"architectures": ["GPT2DoubleHeadsModel"]}, "safe", "GPT2DoubleHeadsModel"),
+    ("n_inner", {"n_inner": 100}, "safe", "n_inner 100"),
+    ("eps", {"layer_norm_epsilon": 1e-6}, "safe", "layer_norm_epsilon"),
+    ("untied", {"tie_word_embeddings": False}, "safe", "untied"),
+    ("scaled", {"scale_attn_by_inverse_layer_idx": True}, "safe", "rescaled attention"),
+    ("cross", {"add_cross_attention": True}, "safe", "cross-attention"),
+    ("noweights", {}, None, "no model.safetensors or pytorch_model.bin"),
+    ("corrupt", {}, "corrupt", "cannot load"),
+])
+def test_folders_we_cannot_compute_are_one_line_errors(tmp_path, name, change, weights, message):
+    hf = random_hf_gpt2()
+    if weights == "safe":
+        hf.save_pretrained(tmp_path)
+    elif weights == "corrupt":
+        (tmp_path / "model.safetensors").write_bytes(b"not safetensors")
+    if change is not None:
+        (tmp_path / "config.json").write_text(json.dumps({**hf.config.to_dict(), **change}))
+    with pytest.raises(ValueError) as e:
+        load_checkpoint(str(tmp_path))
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
