@@ -44,8 +44,8 @@ class Linear(nn.Linear):
 def prepack(model):
     """For inference on a CPU in float32: each linear weight reordered once into oneDNN's blocked layout, as
     inductor's freezing does; eager F.linear pays that on every call (lm_head, 64 rows: 74 -> 41 ms)."""
-    for m in model.modules():
-        if isinstance(m, Linear) and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32:
+    for m in [m for m in model.modules() if isinstance(m, Linear) and m.weight.device.type == "cpu"]:
+        if m.weight.dtype == torch.float32 and (m.packed is None or m.packed[1] != m.weight._version):
             m.packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), None), m.weight._version
 
 
