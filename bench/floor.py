@@ -125,7 +125,7 @@ def summary(name, xs, unit, scale=1.0):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--ckpt", default="out/ckpt.pt")
+    p.add_argument("--ckpt", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "models", "tiny-shakespeare.pt"))
     p.add_argument("--vocab-size", type=int, help="random weights of the checkpoint's shape with this vocabulary")
     args = p.parse_args()
     model = load_checkpoint(args.ckpt)

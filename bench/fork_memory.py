@@ -48,7 +48,7 @@ def run(model, requests, num_tokens, width):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ckpt", default="out/ckpt.pt")
+    p.add_argument("--ckpt", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "models", "tiny-shakespeare.pt"))
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--plot", help="draw blocks in use per step, shared against private, to this image")
     p.add_argument("--prompt-len", type=span, default=(16, 128), help="MIN:MAX prompt tokens")
