@@ -286,7 +286,8 @@ def span(text):
 def rates(text):
     return [number_type(above=0, kind=float)(r) for r in text.split(",")]
 
-def parse_args(argv=None):
+def parser():
+    """Every flag, with its default and its help."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.error = lambda message: fail(message)  # one line, no usage dump
     p.add_argument("--ckpt", default=SHIPPED, help="a nanoGPT ckpt.pt, or a Hugging Face GPT-2 folder (config.json and "
@@ -333,7 +334,11 @@ def parse_args(argv=None):
     p.add_argument("--shared-prefix", type=number_type(0), default=0, help="tokens every workload prompt starts with")
     p.add_argument("--plot", help="draw the runs (or the sweep) to this image file")
     p.add_argument("--export-hf", metavar="DIR", help="write --ckpt as a Hugging Face GPT-2 folder (safetensors, tokenizer) and exit")
-    args = p.parse_args(argv)
+    return p
+
+def parse_args(argv=None):
+    """The flags, checked together: what needs what, what excludes what, and the paths written later."""
+    args = parser().parse_args(argv)
     for flag, value, needs, present in [("--reserve", args.reserve, "--kv-budget", args.kv_budget),
                                         ("--sweep-rates", args.sweep_rates, "--compare", args.compare),
                                         ("--num-blocks", args.num_blocks, "no --kv-budget", not args.kv_budget),
