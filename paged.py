@@ -154,8 +154,8 @@ class StepBatch:
         out = [self.attend_decode(layer, q[:S])] if S else []
         for i, a, b, start in self.chunks:
             if start == 0:  # a fresh chunk sees only itself: causal attention over its own new K/V
-                qc, kc, vc = (t[a:b].transpose(0, 1) for t in (q, k, v))  # (H, n, D)
-                out.append(F.scaled_dot_product_attention(qc, kc, vc, is_causal=True).transpose(0, 1))
+                qc, kc, vc = (t[None, a:b].transpose(1, 2) for t in (q, k, v))  # (1, H, n, D): CPU flash needs 4-D
+                out.append(F.scaled_dot_product_attention(qc, kc, vc, is_causal=True)[0].transpose(0, 1))
             else:  # a chunk after cached tokens reads them back
                 keys, values = self.chunk_kv(layer, i)
                 out.append(attend(q[None, a:b], keys, values, self.positions[None, a:b])[0])
