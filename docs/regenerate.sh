@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Regenerate the figures and tables in docs/ that the README shows (about 12 minutes on 2 CPU cores, and
-# 40 more for the last line, the compiled-attention table).
+# 40 more for the compiled-attention table, 30 more for the last three). bench/vllm_compare.py and
+# bench/hf_compare.py are not here: they need their own virtualenvs (see the README).
 # The README's own example commands write to out/ instead, so trying them never touches tracked files.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,3 +19,7 @@ python bench/floor.py --vocab-size 50304 > docs/floor_50k.txt
 python bench/fork_memory.py --plot docs/fork_memory.png > docs/fork_memory.txt
 python bench/fork_memory.py --prompt-len 8:32 --new-tokens 32:96 > docs/fork_memory_short_prompts.txt
 python bench/compile_cpu.py > docs/compile_cpu.txt    # about 40 minutes on 2 cores: 12-layer, 768-wide models
+bench() { name=$1; shift; echo "python bench/$*" > "docs/$name.txt"; python "bench/$@" >> "docs/$name.txt"; }
+bench sampling sampling.py                  # about 8 minutes
+bench prefill_attention prefill_attention.py
+bench compile_step compile_step.py --workloads tiny/mixed,tiny/decode,tiny/prefill,gpt2/mixed,gpt2/decode,gpt2/prefill  # about 20 minutes
