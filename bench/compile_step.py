@@ -6,10 +6,11 @@ oneDNN GEMMs and the compiled decode attention), on bench/vllm_compare.py's work
 "Compiled" is torch.compile(model.forward, dynamic=True) with inductor's freezing (weights constant,
 prepacked by inductor for oneDNN, layer norms, GELU and residual adds fused around them). Each step's
 attention (StepBatch.attend: a Python loop over the step's chunks) stays outside the graphs, behind
-torch.compiler.disable, so the forward compiles to 2 graphs per layer plus the ends, each dynamic in the
-step's token count; dynamo's recompile limit is raised above that count so that no layer falls back to
-eager. Both variants warm up on other prompts (the compile is timed), then alternate in one process,
-greedy; the ratio is taken per repeat and outputs are compared token for token.
+torch.compiler.disable, so the forward splits into graphs at every layer's attention call, each dynamic
+in the step's token count; dynamo's recompile limit is raised so that no layer falls back to eager. The
+graph count is printed after the warm-up and after the timed runs: a rise means recompiles. Both variants
+warm up on other prompts (the compile is timed), then alternate in one process, greedy; the ratio is
+taken per repeat, and the last repeat's outputs are compared token for token.
 """
 import argparse
 import copy

@@ -10,7 +10,8 @@ top-k 200, a seed per request) alternate in one process after a warm-up of each;
 repeat. sample() is timed around the engine's own call, per step, median over the run.
 
 A third run per repeat, "sampled, two-level top-k", swaps torch.topk for an exact two-level selection
-while the engine samples (two_level_topk below): measured, not in the engine (see the README).
+while the engine samples (two_level_topk below): measured, not in the engine (see the README). The
+last repeat's sampled outputs of the two are compared.
 """
 import argparse
 import os
