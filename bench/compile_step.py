@@ -12,6 +12,7 @@ graph count is printed after the warm-up and after the timed runs: a rise means 
 warm up on other prompts (the compile is timed), then alternate in one process, greedy; the ratio is
 taken per repeat, and the last repeat's outputs are compared token for token.
 """
+
 import argparse
 import copy
 import os
@@ -23,11 +24,11 @@ import torch
 import torch._inductor.config
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import paged  # noqa: E402
-from bench.vllm_compare import WORKLOADS, export, prompts_for  # noqa: E402
-from model import Linear  # noqa: E402
-from scheduler import PagedEngine, Request, blocks_for  # noqa: E402
-from train_tiny import load_checkpoint  # noqa: E402
+import paged
+from bench.vllm_compare import WORKLOADS, export, prompts_for
+from model import Linear
+from scheduler import PagedEngine, Request, blocks_for
+from train_tiny import load_checkpoint
 
 
 def serve(model, forward, prompts, new_tokens):
@@ -63,7 +64,10 @@ def main():
         timed, warm, new_tokens = prompts_for(workload, 1), prompts_for(workload, 2), WORKLOADS[workload][2]
         eager_model = load_checkpoint(export(shape))
         compiled_model = copy.deepcopy(eager_model)
-        variants = {"eager": (eager_model, None), "compiled": (compiled_model, torch.compile(compiled_model.forward, dynamic=True))}
+        variants = {
+            "eager": (eager_model, None),
+            "compiled": (compiled_model, torch.compile(compiled_model.forward, dynamic=True)),
+        }
         torch._dynamo.reset()
         graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         for label, (model, forward) in variants.items():
@@ -79,9 +83,12 @@ def main():
         graphs_after = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before
         ratios = [c / e for e, c in zip(speeds["eager"], speeds["compiled"])]
         same = sum(a == b for a, b in zip(outputs["eager"], outputs["compiled"]))
-        print(f"{name}: eager {fmt(speeds['eager'], ' tok/s')}, compiled {fmt(speeds['compiled'], ' tok/s')}, "
-              f"compiled / eager per repeat {fmt(ratios, 'x')}; equal outputs {same}/{len(timed)}; "
-              f"graphs after warm-up {graphs}, after the timed runs {graphs_after}", flush=True)
+        print(
+            f"{name}: eager {fmt(speeds['eager'], ' tok/s')}, compiled {fmt(speeds['compiled'], ' tok/s')}, "
+            f"compiled / eager per repeat {fmt(ratios, 'x')}; equal outputs {same}/{len(timed)}; "
+            f"graphs after warm-up {graphs}, after the timed runs {graphs_after}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

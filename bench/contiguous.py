@@ -1,5 +1,6 @@
 """The contiguous baseline that the paged engine is measured against, token for token and in speed: the
 same Engine (scheduler.py), with each sequence's K/V in tensors of its own, grown by torch.cat."""
+
 import torch
 from torch.nn.utils.rnn import pad_sequence
 

@@ -16,6 +16,7 @@ Host time: from a step's start (scheduling) to its forward's first op, per decod
 workloads of 64 requests that hold few and many blocks; it should follow the requests, not the blocks.
 Sampling: the sampled workload's time in sample() against the greedy argmax, per step.
 """
+
 import argparse
 import os
 import statistics
@@ -26,12 +27,12 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import scheduler  # noqa: E402
-from generate import workload  # noqa: E402
-from model import GPT, GPTConfig, attend  # noqa: E402
-from paged import StepBatch  # noqa: E402
-from scheduler import Request, PagedEngine  # noqa: E402
-from train_tiny import get_tokenizer, load_checkpoint  # noqa: E402
+import scheduler
+from generate import workload
+from model import GPT, GPTConfig, attend
+from paged import StepBatch
+from scheduler import PagedEngine, Request
+from train_tiny import get_tokenizer, load_checkpoint
 
 
 class FloorBatch(StepBatch):
@@ -44,8 +45,11 @@ class FloorBatch(StepBatch):
         H, D, S = config.n_head, config.n_embd // config.n_head, self.num_decode
         L = int(self.kv_lens[:S].max()) if S else 0
         self.single = [(torch.randn(S, L, H, D), torch.randn(S, L, H, D)) for _ in range(config.n_layer)]
-        self.cached = {i: [(torch.randn(1, end, H, D), torch.randn(1, end, H, D)) for _ in range(config.n_layer)]
-                       for i, end in enumerate(self.kv_lens.tolist()) if i >= S and starts[i] > 0}
+        self.cached = {
+            i: [(torch.randn(1, end, H, D), torch.randn(1, end, H, D)) for _ in range(config.n_layer)]
+            for i, end in enumerate(self.kv_lens.tolist())
+            if i >= S and starts[i] > 0
+        }
 
     def store(self, layer, k, v):
         pass
@@ -81,6 +85,7 @@ class Probe:
             tokens = sample(*args)
             self.sampling.append(time.perf_counter() - start)
             return tokens
+
         engine.schedule, engine.model.forward, scheduler.sample_logits = timed_schedule, timed_forward, timed_sample
         self.restore = lambda: setattr(scheduler, "sample_logits", sample) or vars(engine.model).pop("forward")
 
@@ -96,6 +101,7 @@ def run_engine(model, prompts, news, steps=None, temperature=0.8, probe=False):
         if steps is not None:
             steps.append(([s.num_computed for s, _ in plan], [n for _, n in plan], [(i, 0) for i, _ in samplers]))
         return make_batch(plan, samplers)
+
     engine.make_batch = record
     timer = Probe(engine) if probe else None
     start = time.perf_counter()
@@ -125,7 +131,10 @@ def summary(name, xs, unit, scale=1.0):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--ckpt", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "models", "tiny-shakespeare.pt"))
+    p.add_argument(
+        "--ckpt",
+        default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "models", "tiny-shakespeare.pt"),
+    )
     p.add_argument("--vocab-size", type=int, help="random weights of the checkpoint's shape with this vocabulary")
     args = p.parse_args()
     model = load_checkpoint(args.ckpt)
@@ -138,10 +147,14 @@ def main():
     prompts, news = workload(enc, wl)
     steps = []
     run_engine(model, prompts, news, steps)  # warm-up, and the steps to replay
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {time.strftime('%Y-%m-%d')}; model "
-          f"{c.n_layer} x {c.n_embd}, vocabulary {c.vocab_size:,}{' (random weights)' if args.vocab_size else ''}")
-    print(f"-- engine against its floor: {len(steps)} steps, README mixed workload (128 requests, prompts 8-192, "
-          f"8-64 new, seed 1, temperature 0.8, top-k 200)")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {time.strftime('%Y-%m-%d')}; model "
+        f"{c.n_layer} x {c.n_embd}, vocabulary {c.vocab_size:,}{' (random weights)' if args.vocab_size else ''}"
+    )
+    print(
+        f"-- engine against its floor: {len(steps)} steps, README mixed workload (128 requests, prompts 8-192, "
+        f"8-64 new, seed 1, temperature 0.8, top-k 200)"
+    )
     engine_s, floor_s = [], []
     for _ in range(args.repeats):
         engine_s.append(run_engine(model, prompts, news))

@@ -14,6 +14,7 @@ Savings = 1 - shared / private, over the whole run (blocks x steps, the paper's 
 Output tok/s counts every sample, and each request's best beam; for n samples it is shown against n
 separate requests per prompt (each with its own prefill and blocks, what --num-samples did before forks).
 """
+
 import argparse
 import os
 import sys
@@ -23,16 +24,23 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from generate import Meter, span, workload  # noqa: E402
-from scheduler import Request, PagedEngine  # noqa: E402
-from train_tiny import get_tokenizer, load_checkpoint  # noqa: E402
+from generate import Meter, span, workload
+from scheduler import PagedEngine, Request
+from train_tiny import get_tokenizer, load_checkpoint
 
 
 def run(model, requests, num_tokens, width):
     """Step the engine by hand -> (seconds, per-step blocks held, per-step blocks if nothing were shared)."""
     num_blocks = sum(-(-(len(r.prompt) + r.max_new_tokens - 1) // 16) for r in requests) * width
-    engine = PagedEngine(model, num_blocks, max_batch=len(requests) * width, token_budget=4096, prefix_cache=False,
-                         num_tokens=num_tokens, compile="off")
+    engine = PagedEngine(
+        model,
+        num_blocks,
+        max_batch=len(requests) * width,
+        token_budget=4096,
+        prefix_cache=False,
+        num_tokens=num_tokens,
+        compile="off",
+    )
     meter = Meter(engine)
     for r in requests:
         engine.add(r)
@@ -48,7 +56,10 @@ def run(model, requests, num_tokens, width):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ckpt", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "models", "tiny-shakespeare.pt"))
+    p.add_argument(
+        "--ckpt",
+        default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "models", "tiny-shakespeare.pt"),
+    )
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--plot", help="draw blocks in use per step, shared against private, to this image")
     p.add_argument("--prompt-len", type=span, default=(16, 128), help="MIN:MAX prompt tokens")
@@ -58,13 +69,18 @@ def main():
     shape = f"{args.num_requests} requests, prompts {a}-{b} tokens, {c}-{d} new"
     model = load_checkpoint(args.ckpt)
     enc = get_tokenizer(model.config.vocab_size)
-    spec = SimpleNamespace(seed=1, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-                           num_requests=args.num_requests, shared_prefix=0)
+    spec = SimpleNamespace(
+        seed=1, prompt_len=args.prompt_len, new_tokens=args.new_tokens, num_requests=args.num_requests, shared_prefix=0
+    )
     prompts, news = workload(enc, spec)
-    print(f"{shape}, block size 16, {args.ckpt}, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads, {time.strftime('%Y-%m-%d')}")
-    print(f"{'run':<10} {'blocks shared':>14} {'private':>9} {'saved':>7} {'peak shared':>12} {'peak private':>13} "
-          f"{'saved':>7} {'out tok/s':>10} {'separate':>9}")
+    print(
+        f"{shape}, block size 16, {args.ckpt}, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {time.strftime('%Y-%m-%d')}"
+    )
+    print(
+        f"{'run':<10} {'blocks shared':>14} {'private':>9} {'saved':>7} {'peak shared':>12} {'peak private':>13} "
+        f"{'saved':>7} {'out tok/s':>10} {'separate':>9}"
+    )
     traces = {}
     model(torch.tensor([[1]]))  # one-time setup out of the first run's time
     for kind, width in [("samples", 2), ("samples", 4), ("samples", 6), ("beams", 2), ("beams", 4), ("beams", 6)]:
@@ -77,25 +93,33 @@ def main():
         tok_s = sum(news) * returned / seconds
         separate = ""
         if kind == "samples":  # the same samples as separate requests: n prefills, nothing shared
-            alone = [Request(pr, m, 0.8, 200, seed=100 * i + j) for i, (pr, m) in enumerate(zip(prompts, news))
-                     for j in range(width)]
+            alone = [
+                Request(pr, m, 0.8, 200, seed=100 * i + j)
+                for i, (pr, m) in enumerate(zip(prompts, news))
+                for j in range(width)
+            ]
             alone_s, _, _ = run(model, alone, enc.n_vocab, 1)
             assert [s.generated for r in requests for s in r.sequences] == [r.generated for r in alone]
             separate = f"{sum(news) * width / alone_s:,.0f}"
         name = f"{kind} {width}"
         traces[name] = (shared, private)
         saved, peak_saved = 1 - sum(shared) / sum(private), 1 - max(shared) / max(private)
-        print(f"{name:<10} {sum(shared) / len(shared):>14,.0f} {sum(private) / len(private):>9,.0f} {saved:>7.1%} "
-              f"{max(shared):>12,} {max(private):>13,} {peak_saved:>7.1%} {tok_s:>10,.0f} {separate:>9}", flush=True)
+        print(
+            f"{name:<10} {sum(shared) / len(shared):>14,.0f} {sum(private) / len(private):>9,.0f} {saved:>7.1%} "
+            f"{max(shared):>12,} {max(private):>13,} {peak_saved:>7.1%} {tok_s:>10,.0f} {separate:>9}",
+            flush=True,
+        )
     if args.plot:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+
         fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), sharey=True)
         for ax, kind in zip(axes, ["samples", "beams"]):
             for name, (shared, private) in traces.items():
                 if name.startswith(kind):
-                    line, = ax.plot(shared, label=f"{name}, shared")
+                    (line,) = ax.plot(shared, label=f"{name}, shared")
                     ax.plot(private, "--", color=line.get_color(), label=f"{name}, private copies")
             ax.set(title=f"KV blocks in use: {kind}", xlabel="step", ylabel="blocks")
             ax.legend(fontsize=8)

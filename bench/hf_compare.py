@@ -17,6 +17,7 @@ Both sides never emit ids 50,257-50,303 (not tokens); outputs are checked token 
 drawn from different random streams, so they are not compared). Ours runs every sequence at once, as HF
 does (max_batch = prompts x samples or beams).
 """
+
 import argparse
 import os
 import random
@@ -27,9 +28,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from model import GPT, GPTConfig  # noqa: E402
-from scheduler import Request, PagedEngine  # noqa: E402
-from train_tiny import get_tokenizer, load_checkpoint, shakespeare  # noqa: E402
+from model import GPT, GPTConfig
+from scheduler import PagedEngine, Request
+from train_tiny import get_tokenizer, load_checkpoint, shakespeare
 
 
 def make_models(path):
@@ -38,8 +39,20 @@ def make_models(path):
     torch.save({"model": GPT(config).state_dict(), "model_args": vars(config)}, path)
     ours = load_checkpoint(path)
     from transformers import GPT2Config, GPT2LMHeadModel
-    hf = GPT2LMHeadModel(GPT2Config(vocab_size=50304, n_positions=512, n_embd=128, n_layer=4, n_head=4,
-                                    activation_function="gelu", resid_pdrop=0, embd_pdrop=0, attn_pdrop=0))
+
+    hf = GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=50304,
+            n_positions=512,
+            n_embd=128,
+            n_layer=4,
+            n_head=4,
+            activation_function="gelu",
+            resid_pdrop=0,
+            embd_pdrop=0,
+            attn_pdrop=0,
+        )
+    )
     state = {}
     for k, v in ours.state_dict().items():  # our Linear (out, in) -> HF's Conv1D (in, out)
         state[k] = v.t() if k.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")) else v
@@ -55,12 +68,16 @@ def workload(seed, n=64, news=(64, 64)):
     prompts = []
     for _ in range(n):
         start, length = rng.randrange(len(val) - 200), rng.randint(16, 200)
-        prompts.append(val[start:start + length])
+        prompts.append(val[start : start + length])
     return prompts, [rng.randint(*news) for _ in range(n)]
 
 
-SETTINGS = {"equal": dict(), "mixed": dict(), "samples4": dict(n=4, temperature=0.8, top_k=200),
-            "beams4": dict(num_beams=4)}
+SETTINGS = {
+    "equal": dict(),
+    "mixed": dict(),
+    "samples4": dict(n=4, temperature=0.8, top_k=200),
+    "beams4": dict(num_beams=4),
+}
 
 
 @torch.no_grad()
@@ -71,18 +88,28 @@ def run_hf(hf, prompts, news, n=1, num_beams=1, temperature=0.0, top_k=None):
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     sampling = dict(do_sample=True, temperature=temperature, top_k=top_k) if temperature else dict(do_sample=False)
     start = time.perf_counter()
-    out = hf.generate(ids, attention_mask=mask, max_new_tokens=max(news), min_new_tokens=max(news), pad_token_id=0,
-                      suppress_tokens=list(range(50257, 50304)), num_return_sequences=n, num_beams=num_beams,
-                      **sampling)
+    out = hf.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=max(news),
+        min_new_tokens=max(news),
+        pad_token_id=0,
+        suppress_tokens=list(range(50257, 50304)),
+        num_return_sequences=n,
+        num_beams=num_beams,
+        **sampling,
+    )
     seconds = time.perf_counter() - start
-    return seconds, [out[i * n, width:width + m].tolist() for i, m in enumerate(news)]
+    return seconds, [out[i * n, width : width + m].tolist() for i, m in enumerate(news)]
 
 
 @torch.no_grad()
 def run_ours(model, prompts, news, n=1, num_beams=1, temperature=0.0, top_k=None):
     """The engine as `generate.py --paged` builds it (pool sized to fit every request), every sequence at once."""
-    requests = [Request(p, m, temperature, top_k, seed=i, n=n, num_beams=num_beams)
-                for i, (p, m) in enumerate(zip(prompts, news))]
+    requests = [
+        Request(p, m, temperature, top_k, seed=i, n=n, num_beams=num_beams)
+        for i, (p, m) in enumerate(zip(prompts, news))
+    ]
     num_blocks = sum(-(-(len(p) + m - 1) // 16) for p, m in zip(prompts, news)) * max(n, num_beams)
     engine = PagedEngine(model, num_blocks, max_batch=64 * max(n, num_beams), num_tokens=50257)
     start = time.perf_counter()
@@ -101,8 +128,11 @@ def main():
     os.makedirs(os.path.dirname(args.ckpt) or ".", exist_ok=True)
     ours, hf = make_models(args.ckpt)
     import transformers
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads, "
-          f"{time.strftime('%Y-%m-%d')}")
+
+    print(
+        f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads, "
+        f"{time.strftime('%Y-%m-%d')}"
+    )
     print(f"{'workload':<8} {'HF tok/s':>22} {'--paged tok/s':>22} {'paged / HF':>22}  same output")
     for name in args.rows.split(","):
         settings = SETTINGS[name]
@@ -121,8 +151,12 @@ def main():
 
         def cell(xs, fmt):
             return f"{fmt.format(statistics.median(xs))} ({fmt.format(min(xs))}-{fmt.format(max(xs))})"
-        print(f"{name:<8} {cell(hf_rates, '{:,.0f}'):>22} {cell(our_rates, '{:,.0f}'):>22} "
-              f"{cell(ratios, '{:.2f}x'):>22}  {same if same == 'n/a' else 'yes' if same else 'NO'}", flush=True)
+
+        print(
+            f"{name:<8} {cell(hf_rates, '{:,.0f}'):>22} {cell(our_rates, '{:,.0f}'):>22} "
+            f"{cell(ratios, '{:.2f}x'):>22}  {same if same == 'n/a' else 'yes' if same else 'NO'}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

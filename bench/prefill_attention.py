@@ -10,6 +10,7 @@
 Each time is the median of 10 calls after one warm-up call; variants alternate, and each figure is the
 median (min-max) of --repeats such medians. Outputs are checked against SDPA's.
 """
+
 import argparse
 import statistics
 import time

@@ -13,6 +13,7 @@ A third run per repeat, "sampled, two-level top-k", swaps torch.topk for an exac
 while the engine samples (two_level_topk below): measured, not in the engine (see the README). The
 last repeat's sampled outputs of the two are compared.
 """
+
 import argparse
 import os
 import statistics
@@ -23,11 +24,11 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import scheduler  # noqa: E402
-from generate import workload  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
-from scheduler import PagedEngine, Request  # noqa: E402
-from train_tiny import get_tokenizer  # noqa: E402
+import scheduler
+from generate import workload
+from model import GPT, GPTConfig
+from scheduler import PagedEngine, Request
+from train_tiny import get_tokenizer
 
 SHAPES = {"tiny": (4, 4, 128), "gpt2": (12, 12, 768)}  # n_layer, n_head, n_embd
 
@@ -52,7 +53,10 @@ TORCH_TOPK = torch.Tensor.topk
 
 def run(model, prompts, news, temperature, two_level=False):
     """-> (output tok/s, median ms per sample() call, the outputs)"""
-    requests = [Request(p, n, temperature, 200 if temperature else None, seed=1337 + i) for i, (p, n) in enumerate(zip(prompts, news))]
+    requests = [
+        Request(p, n, temperature, 200 if temperature else None, seed=1337 + i)
+        for i, (p, n) in enumerate(zip(prompts, news))
+    ]
     engine = PagedEngine(model, sum(-(-(len(p) + n - 1) // 16) for p, n in zip(prompts, news)), num_tokens=50257)
     sample, times = scheduler.sample_logits, []
 
@@ -61,6 +65,7 @@ def run(model, prompts, news, temperature, two_level=False):
         tokens = sample(*args)
         times.append(time.perf_counter() - start)
         return tokens
+
     scheduler.sample_logits = timed_sample
     torch.Tensor.topk = two_level_topk if two_level else TORCH_TOPK
     try:
@@ -69,7 +74,11 @@ def run(model, prompts, news, temperature, two_level=False):
         seconds = time.perf_counter() - start
     finally:
         scheduler.sample_logits, torch.Tensor.topk = sample, TORCH_TOPK
-    return sum(len(r.generated) for r in requests) / seconds, 1000 * statistics.median(times), [r.generated for r in requests]
+    return (
+        sum(len(r.generated) for r in requests) / seconds,
+        1000 * statistics.median(times),
+        [r.generated for r in requests],
+    )
 
 
 def fmt(xs, unit=""):
@@ -95,7 +104,9 @@ def main():
         for _ in range(args.repeats):
             for name, (temperature, two_level) in runs.items():
                 results[name].append(run(model, prompts, news, temperature, two_level))
-        (greedy, greedy_ms, _), (sampled, sampled_ms, outputs), (two, two_ms, two_outputs) = ([list(x) for x in zip(*results[n])] for n in runs)
+        (greedy, greedy_ms, _), (sampled, sampled_ms, outputs), (two, two_ms, two_outputs) = (
+            [list(x) for x in zip(*results[n])] for n in runs
+        )
         print(f"-- {shape} ({n_layer} x {n_embd}, vocabulary 50,304): 64 prompts of 16, 128 new, batch 64")
         print(f"greedy                        {fmt(greedy, ' tok/s')}")
         print(f"sampled (0.8, top-k 200)      {fmt(sampled, ' tok/s')}")

@@ -16,6 +16,7 @@ vLLM setups: both cores bound to its worker (VLLM_CPU_OMP_THREADS_BIND=0-1; its 
 core for its front end); "preloaded" adds LD_PRELOAD of tcmalloc and the venv's libiomp5.so, as
 vLLM's CPU documentation asks.
 """
+
 import argparse
 import glob
 import json
@@ -64,7 +65,9 @@ def export(shape):
 
         n_layer, n_head, n_embd = SHAPES[shape]
         torch.manual_seed(0)
-        export_hf(GPT(GPTConfig(block_size=1024, vocab_size=50257, n_layer=n_layer, n_head=n_head, n_embd=n_embd)), folder)
+        export_hf(
+            GPT(GPTConfig(block_size=1024, vocab_size=50257, n_layer=n_layer, n_head=n_head, n_embd=n_embd)), folder
+        )
     return folder
 
 
@@ -110,7 +113,8 @@ def run_vllm(folder, timed, warm, new):
 
 
 def worker(args):
-    job = json.load(open(args.worker_job))
+    with open(args.worker_job) as f:
+        job = json.load(f)
     fn = run_ours if args.worker == "ours" else run_vllm
     result = fn(job["folder"], job["timed"], job["warm"], job["new"])
     print("RESULT " + json.dumps(result), flush=True)
@@ -128,7 +132,7 @@ def setups(vllm_python):
 
 def launch(python, kind, job_file, env):
     cmd = [python, os.path.abspath(__file__), "--worker", kind, "--worker-job", job_file]
-    proc = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run(cmd, check=False, env={**os.environ, **env}, capture_output=True, text=True, cwd=ROOT)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode or not lines:
         sys.exit(f"error: {kind} worker failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -150,7 +154,8 @@ def main():
     if args.worker:
         return worker(args)
     envs = setups(args.vllm_python)
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
+    with open("/proc/cpuinfo") as f:
+        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
     print(f"$ python bench/vllm_compare.py --workloads {args.workloads} --repeats {args.repeats}")
     print(f"{cpu}, {os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}; vLLM setups: {', '.join(envs)}", flush=True)
     for name in args.workloads.split(","):
@@ -173,8 +178,10 @@ def main():
         best = max(envs, key=lambda e: statistics.median(speeds[e]))
         same = sum(a == b for a, b in zip(outputs["ours"], outputs[best]))
         ratio = statistics.median(speeds["ours"]) / statistics.median(speeds[best])
-        print(f"--- {name}: {n} prompts of {lo}-{hi} tokens, {new} new; output tok/s, median (min-max) of "
-              f"{args.repeats}; ours: torch {versions['ours']}, {threads} threads; vLLM {versions[best]}")
+        print(
+            f"--- {name}: {n} prompts of {lo}-{hi} tokens, {new} new; output tok/s, median (min-max) of "
+            f"{args.repeats}; ours: torch {versions['ours']}, {threads} threads; vLLM {versions[best]}"
+        )
         for engine, xs in speeds.items():
             print(f"  {engine:<16} {fmt(xs)}")
         print(f"  ours / {best}: {ratio:.2f}x; equal greedy outputs {same}/{n}", flush=True)

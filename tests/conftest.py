@@ -6,10 +6,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from model import GPT, GPTConfig  # noqa: E402
-from bench.contiguous import ContiguousEngine  # noqa: E402
-from generate import Meter, kv_slots  # noqa: E402
-from scheduler import Request  # noqa: E402
+from bench.contiguous import ContiguousEngine
+from generate import Meter, kv_slots
+from model import GPT, GPTConfig
+from scheduler import Request
 
 torch.set_num_threads(1)  # tests are many small ops; threads only add overhead on 2 cores
 
@@ -45,14 +45,16 @@ def check_invariants(engine):
     rows = [r.row for r in engine.running]
     assert sorted(rows + engine.free_rows) == list(range(engine.max_batch)), "a row is lost or held twice"
     for r in engine.running:  # the persistent table mirrors each block table, and never names padding's block
-        assert engine.block_tables[r.row, :len(r.block_table)].tolist() == r.block_table
+        assert engine.block_tables[r.row, : len(r.block_table)].tolist() == r.block_table
         assert alloc.num_blocks not in r.block_table
     clean, cached = set(alloc.clean), set(alloc.cached)
     assert len(clean) == len(alloc.clean), "a block is twice on the clean stack"
     for block in range(alloc.num_blocks):
         states = (block in clean) + (block in cached) + (holders[block] > 0)
         assert states == 1, f"block {block} is in {states} states (clean / cached / held)"
-        assert alloc.ref_count[block] == holders[block], f"block {block}: ref_count {alloc.ref_count[block]}, {holders[block]} holders"
+        assert alloc.ref_count[block] == holders[block], (
+            f"block {block}: ref_count {alloc.ref_count[block]}, {holders[block]} holders"
+        )
         assert block not in clean or block not in alloc.hash_of, f"clean block {block} keeps a hash"
     assert cached <= set(alloc.hash_of), "a cached block has no hash"
     assert all(alloc.hash_of[b] == h and alloc.cache[h][0] == b for h, (b, _) in alloc.cache.items())
@@ -70,8 +72,11 @@ def check_writes(engine):
     def checked(plan, samplers):
         batch = make_batch(plan, samplers)
         for block in (batch.slots // engine.block_size).unique().tolist():
-            assert engine.allocator.ref_count[block] == 1, f"block {block} is written while {engine.allocator.ref_count[block]} hold it"
+            assert engine.allocator.ref_count[block] == 1, (
+                f"block {block} is written while {engine.allocator.ref_count[block]} hold it"
+            )
         return batch
+
     engine.make_batch = checked
 
 

@@ -1,4 +1,5 @@
 """What the benchmarks claim about their own alternatives: the two-level top-k of bench/sampling.py is exact."""
+
 import pytest
 import torch
 

@@ -1,4 +1,5 @@
 """Stopping at end of text (eos, as HF's eos_token_id): plain, sampled and forked requests (issue 27)."""
+
 import random
 
 import pytest
@@ -37,8 +38,10 @@ def test_plain_requests_stop_at_eos_and_give_every_block_back(model, num_blocks)
     eos = common_token(full)
     want = [cut_at(out, eos) for out in full]
     assert any(len(w) < len(f) for w, f in zip(want, full)) and any(w == f for w, f in zip(want, full))
-    for engine in (PagedEngine(model, num_blocks, block_size=4, token_budget=16, max_batch=6),
-                   ContiguousEngine(model, max_batch=6)):
+    for engine in (
+        PagedEngine(model, num_blocks, block_size=4, token_budget=16, max_batch=6),
+        ContiguousEngine(model, max_batch=6),
+    ):
         requests = [Request(p, n, eos=eos) for p, n in zip(prompts, news)]
         assert run_engine(engine, requests, check=isinstance(engine, PagedEngine)) == want
         assert len(engine.finished) == len(requests) and all(r.status == "done" for r in requests)
@@ -70,7 +73,9 @@ def test_samples_stop_one_by_one_and_free_their_blocks_at_once(model):
 def test_forks_and_separate_requests_stop_alike_under_memory_pressure(model):
     prompts, news = workload(seed=8, n=5)
     requests = [Request(p, m, 1.2, 20, seed=10 * i, n=3) for i, (p, m) in enumerate(zip(prompts, news))]
-    free = [samples_as_separate_requests(model, p, m, 3, 10 * i, 1.2, 20) for i, (p, m) in enumerate(zip(prompts, news))]
+    free = [
+        samples_as_separate_requests(model, p, m, 3, 10 * i, 1.2, 20) for i, (p, m) in enumerate(zip(prompts, news))
+    ]
     eos = common_token([out for outs in free for out in outs])
     for r in requests:
         r.eos = eos

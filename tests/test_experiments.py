@@ -1,4 +1,5 @@
 """KV budgets, reservation baselines and online arrivals (issue 10)."""
+
 import hashlib
 import json
 import random
@@ -9,8 +10,8 @@ from conftest import baseline, make_requests, tiny_gpt
 from test_model import save_nanogpt_ckpt
 
 import generate
-from generate import Meter
 from bench.contiguous import ContiguousEngine
+from generate import Meter
 from scheduler import PagedEngine
 
 
@@ -66,6 +67,7 @@ def test_no_request_is_scheduled_before_its_arrival_and_the_idle_engine_sleeps(m
         for s, _ in plan:
             scheduled.setdefault(id(s.request), clock.t)
         return plan
+
     engine.schedule = record
     requests, meter = make_requests(prompts, news), Meter(engine)
     for _ in generate.arrive(engine, requests, arrivals):
@@ -80,8 +82,11 @@ def test_rate_inf_and_no_budget_give_exactly_todays_outputs_and_step_counts(mode
     rng = random.Random(11)
     prompts = [[rng.randrange(300) for _ in range(rng.randint(1, 30))] for _ in range(20)]
     news = [rng.randint(1, 20) for _ in prompts]
-    for engine, steps in [(ContiguousEngine(model, 6), 38), (PagedEngine(model, 60, 4, 16, 6), 45),
-                          (PagedEngine(model, 60, 4, 16, 6, prefix_cache=False), 45)]:
+    for engine, steps in [
+        (ContiguousEngine(model, 6), 38),
+        (PagedEngine(model, 60, 4, 16, 6), 45),
+        (PagedEngine(model, 60, 4, 16, 6, prefix_cache=False), 45),
+    ]:
         requests, meter = make_requests(prompts, news), Meter(engine)
         engine.run(requests)
         digest = hashlib.md5(str([r.generated for r in requests]).encode()).hexdigest()[:10]
@@ -97,9 +102,31 @@ def ckpt64(tmp_path_factory):
 
 def test_compare_under_a_budget_runs_every_design_and_paged_still_matches_with_preemptions(ckpt64, tmp_path):
     out = tmp_path / "b.json"
-    generate.main(["--ckpt", ckpt64, "--dtype", "float64", "--compare", "--kv-budget", "128", "--block-size", "4",
-                   "--num-requests", "24", "--prompt-len", "4:30", "--new-tokens", "10:30", "--temperature", "0.9",
-                   "--top-k", "40", "--json", str(out)])
+    generate.main(
+        [
+            "--ckpt",
+            ckpt64,
+            "--dtype",
+            "float64",
+            "--compare",
+            "--kv-budget",
+            "128",
+            "--block-size",
+            "4",
+            "--num-requests",
+            "24",
+            "--prompt-len",
+            "4:30",
+            "--new-tokens",
+            "10:30",
+            "--temperature",
+            "0.9",
+            "--top-k",
+            "40",
+            "--json",
+            str(out),
+        ]
+    )
     runs = json.loads(out.read_text())["runs"]
     assert list(runs) == ["contiguous_max", "contiguous_pow2", "contiguous_oracle", "paged", "paged_prefix"]
     assert all(runs[k]["same_output_pct"] == 100 for k in list(runs)[1:])
@@ -113,8 +140,30 @@ def test_compare_under_a_budget_runs_every_design_and_paged_still_matches_with_p
 
 def test_sweep_writes_one_point_per_rate_and_a_plot(ckpt64, tmp_path):
     out, png = tmp_path / "s.json", tmp_path / "s.png"
-    generate.main(["--ckpt", ckpt64, "--compare", "--kv-budget", "256", "--num-requests", "10", "--prompt-len", "4:20",
-                   "--new-tokens", "4:12", "--sweep-rates", "200,400", "--json", str(out), "--plot", str(png)])
+    generate.main(
+        [
+            "--ckpt",
+            ckpt64,
+            "--compare",
+            "--kv-budget",
+            "256",
+            "--num-requests",
+            "10",
+            "--prompt-len",
+            "4:20",
+            "--new-tokens",
+            "4:12",
+            "--sweep-rates",
+            "200,400",
+            "--json",
+            str(out),
+            "--plot",
+            str(png),
+        ]
+    )
     sweep = json.loads(out.read_text())["sweep"]
     assert [p["request_rate"] for p in sweep] == [200.0, 400.0] and png.stat().st_size > 10_000
-    assert all(set(p["runs"]) == {"contiguous_max", "contiguous_pow2", "contiguous_oracle", "paged", "paged_prefix"} for p in sweep)
+    assert all(
+        set(p["runs"]) == {"contiguous_max", "contiguous_pow2", "contiguous_oracle", "paged", "paged_prefix"}
+        for p in sweep
+    )

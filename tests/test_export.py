@@ -1,4 +1,5 @@
 """Export to the Hugging Face GPT-2 format: transformers loads it and generates our tokens (issue 19)."""
+
 import os
 
 import pytest
@@ -8,7 +9,7 @@ from test_model import save_nanogpt_ckpt
 
 import generate
 from model import GPT, GPTConfig
-from scheduler import Request, PagedEngine
+from scheduler import PagedEngine, Request
 from train_tiny import get_tokenizer, load_checkpoint, shakespeare
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # everything loads from the exported folder; nothing may be fetched
@@ -46,9 +47,14 @@ def test_exported_model_loads_in_transformers_with_our_logits_and_greedy_tokens(
     hf = hf.to(torch.float64)
     hf.generation_config.eos_token_id = None  # ours generates exactly the asked-for count, end-of-text or not
     for prompt, n, tokens in zip(prompts, news, greedy):
-        sequence = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                               max_new_tokens=n, do_sample=False, pad_token_id=0)
-        assert sequence[0, len(prompt):].tolist() == tokens
+        sequence = hf.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        assert sequence[0, len(prompt) :].tolist() == tokens
 
 
 @pytest.mark.parametrize("vocab_size", [50304, 2048])
@@ -66,10 +72,12 @@ def test_export_errors_are_one_line(tmp_path):
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("mine")
     (tmp_path / "file").write_text("a file")
-    for ckpt, out, message in [("none.pt", "new", "no checkpoint at"),
-                               ("ckpt.pt", "full", "exists and is not an empty folder"),
-                               ("ckpt.pt", "file", "exists and is not an empty folder"),
-                               ("ckpt.pt", "no/such/parent", "does not exist or is not writable")]:
+    for ckpt, out, message in [
+        ("none.pt", "new", "no checkpoint at"),
+        ("ckpt.pt", "full", "exists and is not an empty folder"),
+        ("ckpt.pt", "file", "exists and is not an empty folder"),
+        ("ckpt.pt", "no/such/parent", "does not exist or is not writable"),
+    ]:
         with pytest.raises(SystemExit) as e:
             generate.main(["--ckpt", str(tmp_path / ckpt), "--export-hf", str(tmp_path / out)])
         assert e.value.code.startswith("error: ") and "\n" not in e.value.code and message in e.value.code
@@ -90,10 +98,19 @@ def test_beam_search_equals_transformers_generate_with_num_beams(tmp_path, k):
     news = [9, 14, 6, 12]
     want = []
     for prompt, n in zip(prompts, news):
-        result = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             max_new_tokens=n, do_sample=False, num_beams=k, num_return_sequences=k,
-                             length_penalty=0.7, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
-        want.append(([s[len(prompt):].tolist() for s in result.sequences], result.sequences_scores.tolist()))
+        result = hf.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=n,
+            do_sample=False,
+            num_beams=k,
+            num_return_sequences=k,
+            length_penalty=0.7,
+            pad_token_id=0,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+        want.append(([s[len(prompt) :].tolist() for s in result.sequences], result.sequences_scores.tolist()))
     ours = ours.to(torch.float64)
     for num_blocks in (200, 8 * k):
         engine = PagedEngine(ours, num_blocks, block_size=4, max_batch=4 * k, num_tokens=50257)

@@ -1,4 +1,5 @@
 """Fork with copy-on-write: n samples of one prompt, and beam search, on shared blocks (issue 17)."""
+
 import itertools
 import random
 
@@ -9,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bench.contiguous import ContiguousEngine
-from scheduler import Request, PagedEngine
+from scheduler import PagedEngine, Request
 
 
 def samples_as_separate_requests(model, prompt, new, n, seed, temperature=0.9, top_k=None):
@@ -83,7 +84,7 @@ def reference_beam_search(model, prompt, new, k):
             top = scores.flatten().topk(k)
             V = scores.shape[1]
             beams = [(v, beams[i // V][1] + [i % V]) for v, i in zip(top.values, top.indices.tolist())]
-    return [tokens[len(prompt):] for _, tokens in beams]
+    return [tokens[len(prompt) :] for _, tokens in beams]
 
 
 @pytest.mark.parametrize("k", [2, 3, 4])
@@ -91,7 +92,10 @@ def test_beam_search_equals_the_recomputing_reference_on_both_engines(model, k):
     rng = random.Random(k)
     prompts = [[rng.randrange(300) for _ in range(rng.randint(1, 14))] for _ in range(3)]
     want = [reference_beam_search(model, p, 7, k) for p in prompts]
-    for engine in (ContiguousEngine(model, max_batch=12), PagedEngine(model, num_blocks=60, block_size=4, max_batch=12)):
+    for engine in (
+        ContiguousEngine(model, max_batch=12),
+        PagedEngine(model, num_blocks=60, block_size=4, max_batch=12),
+    ):
         requests = [Request(p, 7, num_beams=k) for p in prompts]
         run_engine(engine, requests, check=isinstance(engine, PagedEngine))
         assert [outputs(r) for r in requests] == want
@@ -105,9 +109,11 @@ def test_enough_beams_find_the_likeliest_continuation_of_all():
     model = tiny_gpt(seed=2, vocab_size=5)
     prompt, T = [1, 4, 2], 3  # 25 beams > 5 ids: the first step keeps 5, as HF's (its others score -1e9)
     with torch.no_grad():
+
         def logprob(cont):
-            logits = model(torch.tensor(prompt + list(cont))[None])[0][0, len(prompt) - 1:-1]
+            logits = model(torch.tensor(prompt + list(cont))[None])[0][0, len(prompt) - 1 : -1]
             return sum(torch.log_softmax(logits.float(), -1)[t, c] for t, c in enumerate(cont))
+
         best = max(itertools.product(range(5), repeat=T), key=lambda cont: float(logprob(cont)))
     r = Request(prompt, T, num_beams=25)
     run_engine(PagedEngine(model, num_blocks=80, block_size=2, max_batch=25, token_budget=64), [r], check=True)
@@ -147,10 +153,18 @@ def test_dying_beams_give_their_blocks_back_and_sharing_saves_blocks(model):
 def test_mixed_steps_of_beams_samples_and_plain_requests_each_equal_their_solo_run(model):
     rng = random.Random(12)
     prompts = [[rng.randrange(300) for _ in range(rng.randint(2, 18))] for _ in range(6)]
-    kinds = [dict(num_beams=3), dict(n=3, temperature=0.9), dict(), dict(num_beams=2), dict(temperature=0.9, top_k=9), dict(n=2, temperature=0.9, top_k=9)]
+    kinds = [
+        dict(num_beams=3),
+        dict(n=3, temperature=0.9),
+        dict(),
+        dict(num_beams=2),
+        dict(temperature=0.9, top_k=9),
+        dict(n=2, temperature=0.9, top_k=9),
+    ]
 
     def make():
         return [Request(p, 8, seed=50 + i, **kw) for i, (p, kw) in enumerate(zip(prompts, kinds))]
+
     solo = []
     for r in make():
         run_engine(PagedEngine(model, num_blocks=40, block_size=4, max_batch=12), [r])
@@ -194,15 +208,18 @@ def test_random_forks_writes_preemptions_and_frees_keep_every_invariant(model, d
     leaks_nothing(engine)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(n=0), "n 0 and num_beams 1 must be at least 1"),
-    (dict(num_beams=0), "n 1 and num_beams 0 must be at least 1"),
-    (dict(num_beams=2, temperature=0.8), "beam search is greedy"),
-    (dict(num_beams=2, top_k=5), "beam search is greedy"),
-    (dict(num_beams=2, n=2), "beam search is greedy"),
-    (dict(n=9), "9 sequences of one request exceed the 8 that run at once"),
-    (dict(num_beams=4), "needs 3 blocks of 4 for each of 4 beams, but the pool has only 10"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(n=0), "n 0 and num_beams 1 must be at least 1"),
+        (dict(num_beams=0), "n 1 and num_beams 0 must be at least 1"),
+        (dict(num_beams=2, temperature=0.8), "beam search is greedy"),
+        (dict(num_beams=2, top_k=5), "beam search is greedy"),
+        (dict(num_beams=2, n=2), "beam search is greedy"),
+        (dict(n=9), "9 sequences of one request exceed the 8 that run at once"),
+        (dict(num_beams=4), "needs 3 blocks of 4 for each of 4 beams, but the pool has only 10"),
+    ],
+)
 def test_bad_fork_requests_are_refused_in_one_line(model, kwargs, message):
     engine = PagedEngine(model, num_blocks=10, block_size=4, max_batch=8)
     with pytest.raises(ValueError, match=message) as e:

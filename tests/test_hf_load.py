@@ -1,4 +1,5 @@
 """Loading Hugging Face GPT-2 folders (--ckpt DIR): logits and greedy tokens equal HF's, for both GELUs (issue 27)."""
+
 import json
 
 import pytest
@@ -15,8 +16,9 @@ transformers = pytest.importorskip("transformers")
 
 def random_hf_gpt2(activation="gelu_new", seed=0):
     torch.manual_seed(seed)
-    config = transformers.GPT2Config(vocab_size=50257, n_positions=64, n_embd=32, n_layer=2, n_head=2,
-                                     activation_function=activation)
+    config = transformers.GPT2Config(
+        vocab_size=50257, n_positions=64, n_embd=32, n_layer=2, n_head=2, activation_function=activation
+    )
     return transformers.GPT2LMHeadModel(config).eval()
 
 
@@ -32,8 +34,16 @@ def test_hf_gpt2_folder_loads_with_hf_logits_and_greedy_tokens(tmp_path, activat
         torch.testing.assert_close(ours(idx)[0], hf(idx).logits, rtol=1e-5, atol=1e-5)
     prompts = [torch.randint(0, 50257, (n,)).tolist() for n in (3, 9, 17)]
     hf.generation_config.eos_token_id = None  # run to max_new_tokens, as ours does by default
-    want = [hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), do_sample=False,
-                        max_new_tokens=12, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    want = [
+        hf.generate(
+            torch.tensor([p]),
+            attention_mask=torch.ones(1, len(p), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=12,
+            pad_token_id=0,
+        )[0, len(p) :].tolist()
+        for p in prompts
+    ]
     got = run_engine(PagedEngine(ours, 60, block_size=4), [Request(p, 12) for p in prompts])
     assert got == want
 
@@ -65,10 +75,13 @@ def test_export_then_load_gives_back_the_same_model(tmp_path, gelu):
 
 def test_folders_that_are_not_gpt2_are_one_line_errors(tmp_path):
     hf = random_hf_gpt2("gelu_new")
-    cases = {"empty": ({}, None, "config.json"), "llama": ({"model_type": "llama"}, None, "model_type 'llama'"),
-             "relu": ({"activation_function": "relu"}, None, "activation 'relu'"),
-             "noweights": ({}, "none", "no model.safetensors or pytorch_model.bin"),
-             "corrupt": ({}, "corrupt", "cannot load")}
+    cases = {
+        "empty": ({}, None, "config.json"),
+        "llama": ({"model_type": "llama"}, None, "model_type 'llama'"),
+        "relu": ({"activation_function": "relu"}, None, "activation 'relu'"),
+        "noweights": ({}, "none", "no model.safetensors or pytorch_model.bin"),
+        "corrupt": ({}, "corrupt", "cannot load"),
+    }
     for name, (change, weights, message) in cases.items():
         folder = tmp_path / name
         folder.mkdir()
@@ -98,20 +111,23 @@ def test_nanogpt_checkpoint_gelu_is_optional_and_checked(tmp_path):
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("name, change, weights, message", [
-    ("empty", None, None, "config.json"),
-    ("llama", {"model_type": "llama"}, "safe", "model_type 'llama'"),
-    ("relu", {"activation_function": "relu"}, "safe", "activation 'relu'"),
-    ("gelu_fast", {"activation_function": "gelu_fast"}, "safe", "activation 'gelu_fast'"),
-    ("heads", {"architectures": ["GPT2DoubleHeadsModel"]}, "safe", "GPT2DoubleHeadsModel"),
-    ("n_inner", {"n_inner": 100}, "safe", "n_inner 100"),
-    ("eps", {"layer_norm_epsilon": 1e-6}, "safe", "layer_norm_epsilon"),
-    ("untied", {"tie_word_embeddings": False}, "safe", "untied"),
-    ("scaled", {"scale_attn_by_inverse_layer_idx": True}, "safe", "rescaled attention"),
-    ("cross", {"add_cross_attention": True}, "safe", "cross-attention"),
-    ("noweights", {}, None, "no model.safetensors or pytorch_model.bin"),
-    ("corrupt", {}, "corrupt", "cannot load"),
-])
+@pytest.mark.parametrize(
+    "name, change, weights, message",
+    [
+        ("empty", None, None, "config.json"),
+        ("llama", {"model_type": "llama"}, "safe", "model_type 'llama'"),
+        ("relu", {"activation_function": "relu"}, "safe", "activation 'relu'"),
+        ("gelu_fast", {"activation_function": "gelu_fast"}, "safe", "activation 'gelu_fast'"),
+        ("heads", {"architectures": ["GPT2DoubleHeadsModel"]}, "safe", "GPT2DoubleHeadsModel"),
+        ("n_inner", {"n_inner": 100}, "safe", "n_inner 100"),
+        ("eps", {"layer_norm_epsilon": 1e-6}, "safe", "layer_norm_epsilon"),
+        ("untied", {"tie_word_embeddings": False}, "safe", "untied"),
+        ("scaled", {"scale_attn_by_inverse_layer_idx": True}, "safe", "rescaled attention"),
+        ("cross", {"add_cross_attention": True}, "safe", "cross-attention"),
+        ("noweights", {}, None, "no model.safetensors or pytorch_model.bin"),
+        ("corrupt", {}, "corrupt", "cannot load"),
+    ],
+)
 def test_folders_we_cannot_compute_are_one_line_errors(tmp_path, name, change, weights, message):
     hf = random_hf_gpt2()
     if weights == "safe":

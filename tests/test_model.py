@@ -1,4 +1,5 @@
 """The tiny GPT, its checkpoints, the tokenizer, sampling and the CLI's errors (issue 2)."""
+
 import json
 
 import pytest
@@ -6,9 +7,8 @@ import torch
 from conftest import baseline, make_requests, run_engine, tiny_gpt
 
 import generate
-from model import GPT, GPTConfig
 from bench.contiguous import ContiguousBatch, ContiguousEngine
-from model import sample, uniform
+from model import GPT, GPTConfig, sample, uniform
 from paged import PagedBatch
 from scheduler import Request
 from train_tiny import get_tokenizer, load_checkpoint, shakespeare
@@ -38,15 +38,28 @@ def incremental_logits(model, prompts, decode_steps, make_batch):
 
 @pytest.mark.parametrize("cache", ["contiguous", "paged", "paged, compiled"])
 def test_cached_decode_equals_full_recompute(model, cache):
-    prompts = [[5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [42], [7, 7, 7], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]]
-    k_pool, v_pool = torch.zeros(2, 65, 3, 2, 16, dtype=torch.float64), torch.zeros(2, 65, 3, 2, 16, dtype=torch.float64)
+    prompts = [
+        [5, 6, 7, 8, 9],
+        [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11],
+        [42],
+        [7, 7, 7],
+        [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8],
+    ]
+    k_pool, v_pool = (
+        torch.zeros(2, 65, 3, 2, 16, dtype=torch.float64),
+        torch.zeros(2, 65, 3, 2, 16, dtype=torch.float64),
+    )
     # scattered blocks: request i owns blocks i, i + 8, i + 16, ...; block 64 is padding's
     block_tables = torch.tensor([[i + 8 * j for j in range(8)] for i in range(len(prompts))], dtype=torch.int32)
 
     def paged_batch(plan, samplers):
         return PagedBatch(plan, samplers, k_pool, v_pool, block_tables, 64, compiled="compiled" in cache)
 
-    make_batch = paged_batch if cache.startswith("paged") else (lambda plan, samplers: ContiguousBatch(plan, samplers, torch.device("cpu")))
+    make_batch = (
+        paged_batch
+        if cache.startswith("paged")
+        else (lambda plan, samplers: ContiguousBatch(plan, samplers, torch.device("cpu")))
+    )
     reqs, steps = incremental_logits(model, prompts, 6, make_batch)
     with torch.no_grad():
         for i, r in enumerate(reqs):
@@ -58,8 +71,17 @@ def test_cached_decode_equals_full_recompute(model, cache):
 
 def save_nanogpt_ckpt(model, path, prefix=""):
     state = {prefix + k: v for k, v in model.state_dict().items()}
-    torch.save({"model": state, "model_args": vars(model.config), "iter_num": 7, "best_val_loss": 3.0,
-                "config": {"dataset": "shakespeare"}, "optimizer": {}}, path)
+    torch.save(
+        {
+            "model": state,
+            "model_args": vars(model.config),
+            "iter_num": 7,
+            "best_val_loss": 3.0,
+            "config": {"dataset": "shakespeare"},
+            "optimizer": {},
+        },
+        path,
+    )
 
 
 @pytest.mark.parametrize("prefix", ["", "_orig_mod."])
@@ -77,11 +99,16 @@ def test_gpt2_conv1d_weights_transposed_into_our_names_load(tmp_path):
     config = GPTConfig(block_size=32, vocab_size=50257, n_layer=1, n_head=2, n_embd=16)
     torch.manual_seed(0)
     ours = GPT(config).eval()
-    hf = {k.removeprefix("transformer."): (v.t() if k.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")) else v)
-          for k, v in ours.state_dict().items() if k != "lm_head.weight"}  # HF keeps Conv1D as (in, out)
+    hf = {
+        k.removeprefix("transformer."): (v.t() if k.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")) else v)
+        for k, v in ours.state_dict().items()
+        if k != "lm_head.weight"
+    }  # HF keeps Conv1D as (in, out)
     hf["h.0.attn.bias"] = torch.tril(torch.ones(32, 32))[None, None]
-    converted = {("transformer." + k): (v.t() if k.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")) else v)
-                 for k, v in hf.items()}
+    converted = {
+        ("transformer." + k): (v.t() if k.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")) else v)
+        for k, v in hf.items()
+    }
     converted["lm_head.weight"] = converted["transformer.wte.weight"]
     torch.save({"model": converted, "model_args": vars(config)}, tmp_path / "gpt2.pt")
     loaded = load_checkpoint(tmp_path / "gpt2.pt")
@@ -134,20 +161,25 @@ def test_sampler_draws_each_token_with_its_softmax_probability_and_top_k_cuts_th
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]]).expand(n, 5).contiguous()
     position, seed, ones = torch.arange(n), torch.full((n,), 7), torch.ones(n)
     for temperature, top_k in [(1.0, 0), (0.5, 0), (1.0, 3)]:
-        want = (logits[0, :top_k or 5] / temperature).softmax(-1)
+        want = (logits[0, : top_k or 5] / temperature).softmax(-1)
         got = sample(logits, ones * temperature, torch.full((n,), top_k), seed, position, top_k, top_k == 0)
         freq = torch.bincount(got, minlength=5).double() / n
-        assert torch.all(freq[len(want):] == 0) and torch.allclose(freq[:len(want)], want.double(), atol=0.012), (freq, want)
+        assert torch.all(freq[len(want) :] == 0) and torch.allclose(freq[: len(want)], want.double(), atol=0.012), (
+            freq,
+            want,
+        )
     alone = sample(logits, ones, torch.zeros(n, dtype=torch.long), seed, position)
     assert torch.equal(alone, sample(logits, ones, torch.zeros(n, dtype=torch.long), seed, position))  # a pure function
     assert not torch.equal(alone, sample(logits, ones, torch.zeros(n, dtype=torch.long), seed + 1, position))
     # rows that keep every id, rows that cut, and greedy rows in one batch: each draws as it does alone
     mixed_k, mixed_t = torch.tensor([0, 3, 0] * (n // 3)), torch.tensor([1.0, 1.0, 0.0] * (n // 3))
     cut = sample(logits, ones, torch.full((n,), 3), seed, position, 3, False)
-    mixed = sample(logits[:len(mixed_k)], mixed_t, mixed_k, seed[:len(mixed_k)], position[:len(mixed_k)], 3, True)
-    assert torch.equal(mixed[0::3], alone[0:len(mixed_k):3]) and torch.equal(mixed[1::3], cut[1:len(mixed_k):3])
+    mixed = sample(logits[: len(mixed_k)], mixed_t, mixed_k, seed[: len(mixed_k)], position[: len(mixed_k)], 3, True)
+    assert torch.equal(mixed[0::3], alone[0 : len(mixed_k) : 3]) and torch.equal(mixed[1::3], cut[1 : len(mixed_k) : 3])
     assert torch.all(mixed[2::3] == 0)
-    u = uniform(torch.arange(1000).repeat_interleave(100), torch.arange(100).repeat(1000))  # 1,000 seeds x 100 positions
+    u = uniform(
+        torch.arange(1000).repeat_interleave(100), torch.arange(100).repeat(1000)
+    )  # 1,000 seeds x 100 positions
     assert 0 <= u.min() and u.max() < 1 and abs(u.mean() - 0.5) < 0.005 and abs(u.var() - 1 / 12) < 0.002
     assert len(u.unique()) > 99_000  # seeds and positions both change the draw
 
@@ -159,17 +191,24 @@ def tiny_ckpt(tmp_path_factory):
     return str(path)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--prompt", ""], "empty prompt"),
-    (["--prompt", "Hi", "--max-new-tokens", "70"], "= 72 exceeds the model's context of 64"),
-    (["--temperature", "-0.5"], "--temperature: -0.5 is below 0"),
-    (["--top-k", "0"], "--top-k: 0 is below 1"),
-    (["--paged", "--block-size", "0"], "--block-size: 0 is below 1"),
-    (["--paged", "--token-budget", "0"], "--token-budget: 0 is below 1"),
-    (["--paged", "--num-blocks", "1", "--block-size", "4", "--max-new-tokens", "20"], "but the pool has only 1"),
-    (["--prompts", "/no/such/file"], "cannot read --prompts file"),
-    pytest.param(["--device", "cuda"], "sees no CUDA GPU", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="has CUDA")),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--prompt", ""], "empty prompt"),
+        (["--prompt", "Hi", "--max-new-tokens", "70"], "= 72 exceeds the model's context of 64"),
+        (["--temperature", "-0.5"], "--temperature: -0.5 is below 0"),
+        (["--top-k", "0"], "--top-k: 0 is below 1"),
+        (["--paged", "--block-size", "0"], "--block-size: 0 is below 1"),
+        (["--paged", "--token-budget", "0"], "--token-budget: 0 is below 1"),
+        (["--paged", "--num-blocks", "1", "--block-size", "4", "--max-new-tokens", "20"], "but the pool has only 1"),
+        (["--prompts", "/no/such/file"], "cannot read --prompts file"),
+        pytest.param(
+            ["--device", "cuda"],
+            "sees no CUDA GPU",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="has CUDA"),
+        ),
+    ],
+)
 def test_cli_bad_input_is_one_line_error(tiny_ckpt, capsys, argv, message):
     with pytest.raises(SystemExit) as e:
         generate.main(["--ckpt", tiny_ckpt, "--max-new-tokens", "8", *argv])
@@ -180,9 +219,11 @@ def test_cli_bad_input_is_one_line_error(tiny_ckpt, capsys, argv, message):
 def test_cli_bad_checkpoint_and_empty_prompts_file(tmp_path, tiny_ckpt):
     (tmp_path / "bad.pt").write_text("garbage")
     (tmp_path / "empty.txt").write_text("\n\n")
-    for argv, message in [(["--ckpt", str(tmp_path / "bad.pt")], "cannot read checkpoint"),
-                          (["--ckpt", str(tmp_path / "none.pt")], "no checkpoint at"),
-                          (["--ckpt", tiny_ckpt, "--prompts", str(tmp_path / "empty.txt")], "holds no prompt")]:
+    for argv, message in [
+        (["--ckpt", str(tmp_path / "bad.pt")], "cannot read checkpoint"),
+        (["--ckpt", str(tmp_path / "none.pt")], "no checkpoint at"),
+        (["--ckpt", tiny_ckpt, "--prompts", str(tmp_path / "empty.txt")], "holds no prompt"),
+    ]:
         with pytest.raises(SystemExit) as e:
             generate.main(argv)
         assert e.value.code.startswith("error: ") and message in e.value.code
@@ -191,18 +232,50 @@ def test_cli_bad_checkpoint_and_empty_prompts_file(tmp_path, tiny_ckpt):
 def test_cli_json_holds_requests_in_order_and_metrics(tiny_ckpt, tmp_path):
     out = tmp_path / "run.json"
     for paged in [[], ["--paged"]]:
-        generate.main(["--ckpt", tiny_ckpt, "--prompt", "ROMEO:", "--prompt", "To be, or not", "--num-samples", "2",
-                       "--max-new-tokens", "10", "--temperature", "0", "--json", str(out), *paged])
+        generate.main(
+            [
+                "--ckpt",
+                tiny_ckpt,
+                "--prompt",
+                "ROMEO:",
+                "--prompt",
+                "To be, or not",
+                "--num-samples",
+                "2",
+                "--max-new-tokens",
+                "10",
+                "--temperature",
+                "0",
+                "--json",
+                str(out),
+                *paged,
+            ]
+        )
         data = json.loads(out.read_text())
         assert [r["prompt"] for r in data["requests"]] == ["ROMEO:", "To be, or not"]  # samples: one entry each
         assert all(len(r["sequences"]) == 2 for r in data["requests"])
         assert all(len(s["output_tokens"]) == 10 for r in data["requests"] for s in r["sequences"])
-        for key in ["output_tokens", "wall_s", "output_tok_s", "ttft_ms_mean", "ttft_ms_p90", "tpot_ms_mean", "steps",
-                    "prefill_tokens"]:
+        for key in [
+            "output_tokens",
+            "wall_s",
+            "output_tok_s",
+            "ttft_ms_mean",
+            "ttft_ms_p90",
+            "tpot_ms_mean",
+            "steps",
+            "prefill_tokens",
+        ]:
             assert key in data["metrics"]
         if paged:
-            for key in ["kv_slots_allocated_peak", "kv_slots_used_peak", "kv_waste_pct", "num_blocks", "block_size",
-                        "prefix_hit_rate", "preemptions"]:
+            for key in [
+                "kv_slots_allocated_peak",
+                "kv_slots_used_peak",
+                "kv_waste_pct",
+                "num_blocks",
+                "block_size",
+                "prefix_hit_rate",
+                "preemptions",
+            ]:
                 assert key in data["metrics"]
         else:
             greedy = [s["output_tokens"] for r in data["requests"] for s in r["sequences"]]
@@ -211,8 +284,19 @@ def test_cli_json_holds_requests_in_order_and_metrics(tiny_ckpt, tmp_path):
 
 def test_train_tiny_writes_a_nanogpt_checkpoint_that_generate_loads(tmp_path):
     from train_tiny import train
-    trained = train(out_dir=str(tmp_path), device="cpu", max_iters=3, max_seconds=60, batch_size=2,
-                    block_size=32, vocab_size=300, n_layer=1, n_head=2, n_embd=16)
+
+    trained = train(
+        out_dir=str(tmp_path),
+        device="cpu",
+        max_iters=3,
+        max_seconds=60,
+        batch_size=2,
+        block_size=32,
+        vocab_size=300,
+        n_layer=1,
+        n_head=2,
+        n_embd=16,
+    )
     ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
     assert {"model", "model_args", "optimizer", "iter_num", "best_val_loss", "config"} <= set(ckpt)
     assert ckpt["iter_num"] == 3 and ckpt["model_args"]["block_size"] == 32

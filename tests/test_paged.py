@@ -1,4 +1,5 @@
 """The paged pool, the LIFO allocator, write/gather, gather-attend and the fused scheduler (issues 3, 6)."""
+
 import math
 import random
 
@@ -7,7 +8,7 @@ import torch
 from conftest import baseline, make_requests, run_engine
 
 from paged import BlockAllocator, gather_attend, gather_kv, write_kv
-from scheduler import Request, PagedEngine
+from scheduler import PagedEngine, Request
 
 
 def test_lifecycle_prompt_blocks_then_one_more_when_decode_crosses_a_boundary(model):
@@ -80,26 +81,34 @@ def reference_attention(q, keys, values):
     return (scores.softmax(-1)[:, :, None] * values).sum(1)
 
 
-@pytest.mark.parametrize("dtype, device", [(torch.float32, "cpu"), (torch.bfloat16, "cpu"),
-                                           pytest.param(torch.float32, "cuda", marks=pytest.mark.skipif(
-                                               not torch.cuda.is_available(), reason="needs CUDA")),
-                                           pytest.param(torch.bfloat16, "cuda", marks=pytest.mark.skipif(
-                                               not torch.cuda.is_available(), reason="needs CUDA"))])
+@pytest.mark.parametrize(
+    "dtype, device",
+    [
+        (torch.float32, "cpu"),
+        (torch.bfloat16, "cpu"),
+        pytest.param(
+            torch.float32, "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+        ),
+        pytest.param(
+            torch.bfloat16, "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+        ),
+    ],
+)
 def test_gather_attend_matches_reference_attention(dtype, device):
     torch.manual_seed(0)
     H, NB, bs, D = 4, 40, 4, 8
     k_pool, v_pool = torch.randn(NB, bs, H, D, dtype=dtype), torch.randn(NB, bs, H, D, dtype=dtype)
     kv_len = torch.tensor([1, 4, 5, 8, 13, 16, 2])  # length 1, block boundaries, and between
     perm = torch.randperm(NB).tolist()
-    tables = [perm[4 * i:4 * i + -(-n // bs)] for i, n in enumerate(kv_len.tolist())]
+    tables = [perm[4 * i : 4 * i + -(-n // bs)] for i, n in enumerate(kv_len.tolist())]
     table = torch.tensor([t + [0] * (4 - len(t)) for t in tables])  # padded width
     q = torch.randn(len(kv_len), H, D, dtype=dtype)
     fn = torch.compile(gather_attend) if device == "cuda" else gather_attend
     args = [t.to(device) for t in (q, k_pool, v_pool, table, kv_len)]
     got = fn(*args).cpu()
     for i, n in enumerate(kv_len.tolist()):
-        keys = gather_kv(k_pool, table[i:i + 1])[0, :n].transpose(0, 1).float()  # (H, n, D)
-        values = gather_kv(v_pool, table[i:i + 1])[0, :n].transpose(0, 1).float()
+        keys = gather_kv(k_pool, table[i : i + 1])[0, :n].transpose(0, 1).float()  # (H, n, D)
+        values = gather_kv(v_pool, table[i : i + 1])[0, :n].transpose(0, 1).float()
         want = reference_attention(q[i].float(), keys, values)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(got[i].float(), want, rtol=tol, atol=tol)

@@ -1,10 +1,11 @@
 """Hashed prefix caching: sharing, chaining, reference counts and eviction (issue 4)."""
+
 import random
 
 from conftest import baseline, check_invariants, make_requests, run_engine
 
 from paged import BlockAllocator
-from scheduler import Request, PagedEngine
+from scheduler import PagedEngine, Request
 
 
 def shared_prefix_workload():
@@ -12,7 +13,9 @@ def shared_prefix_workload():
     system = [rng.randrange(300) for _ in range(37)]  # a long prefix most requests share
     scene = [rng.randrange(300) for _ in range(9)]
     prompts = [system + [rng.randrange(300) for _ in range(rng.randint(1, 8))] for _ in range(8)]
-    prompts += [system[:13] + scene + [rng.randrange(300) for _ in range(rng.randint(1, 5))] for _ in range(4)]  # part only
+    prompts += [
+        system[:13] + scene + [rng.randrange(300) for _ in range(rng.randint(1, 5))] for _ in range(4)
+    ]  # part only
     prompts += [system, system[:16]]  # entirely cached later; block-aligned at block size 4
     return prompts, [rng.randint(1, 12) for _ in prompts]
 

@@ -1,4 +1,5 @@
 """Never stuck, never wrong: preemption, refusals, randomized invariants and a soak (issue 5)."""
+
 import random
 import re
 
@@ -7,7 +8,7 @@ from conftest import baseline, make_requests, run_engine
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scheduler import Request, PagedEngine
+from scheduler import PagedEngine, Request
 
 
 @st.composite
@@ -17,15 +18,23 @@ def workloads(draw):
     prefix = draw(st.lists(st.integers(0, 299), min_size=0, max_size=12))
     prompts, news = [], []
     for _ in range(n):
-        shared = prefix[:draw(st.integers(0, len(prefix)))]
+        shared = prefix[: draw(st.integers(0, len(prefix)))]
         prompts.append(shared + draw(st.lists(st.integers(0, 299), min_size=1, max_size=14)))
         news.append(draw(st.integers(1, 12)))
     arrivals = draw(st.lists(st.integers(0, 10), min_size=n, max_size=n))
     fits_one = max(-(-(len(p) + m - 1) // block_size) for p, m in zip(prompts, news))
     num_blocks = fits_one + draw(st.integers(0, 12))  # down to the minimum that fits the largest request
-    return dict(block_size=block_size, prompts=prompts, news=news, arrivals=arrivals, num_blocks=num_blocks,
-                token_budget=draw(st.integers(1, 40)), max_batch=draw(st.integers(1, 6)),
-                prefix_cache=draw(st.booleans()), temperature=draw(st.sampled_from([0.0, 0.9])))
+    return dict(
+        block_size=block_size,
+        prompts=prompts,
+        news=news,
+        arrivals=arrivals,
+        num_blocks=num_blocks,
+        token_budget=draw(st.integers(1, 40)),
+        max_batch=draw(st.integers(1, 6)),
+        prefix_cache=draw(st.booleans()),
+        temperature=draw(st.sampled_from([0.0, 0.9])),
+    )
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
@@ -44,34 +53,42 @@ def test_pool_far_smaller_than_the_workload_preempts_and_still_matches(model):
     news = [rng.randint(20, 40) for _ in prompts]
     want = baseline(model, prompts, news, 0.9, 40)
     for prefix_cache in [True, False]:
-        engine = PagedEngine(model, num_blocks=15, block_size=4, token_budget=32, max_batch=8, prefix_cache=prefix_cache)
+        engine = PagedEngine(
+            model, num_blocks=15, block_size=4, token_budget=32, max_batch=8, prefix_cache=prefix_cache
+        )
         got = run_engine(engine, make_requests(prompts, news, 0.9, 40), check=True)
         assert got == want and engine.meter.num_preemptions >= 10
         assert engine.allocator.num_free() == 15
         # no two prompts share a block, so every hit is a preempted request readmitted onto its own cached blocks
-        assert (engine.meter.cached_tokens > 0) == prefix_cache and engine.meter.admitted_tokens > sum(map(len, prompts))
+        assert (engine.meter.cached_tokens > 0) == prefix_cache and engine.meter.admitted_tokens > sum(
+            map(len, prompts)
+        )
 
 
 def test_soak_5000_short_requests_through_a_tiny_pool_leak_nothing(model):
     rng = random.Random(5)
     engine = PagedEngine(model, num_blocks=12, block_size=2, token_budget=24, max_batch=12)
-    requests = [Request([rng.randrange(300) for _ in range(rng.randint(1, 4))], rng.randint(1, 3), seed=i)
-                for i in range(5000)]
+    requests = [
+        Request([rng.randrange(300) for _ in range(rng.randint(1, 4))], rng.randint(1, 3), seed=i) for i in range(5000)
+    ]
     run_engine(engine, requests)
     assert all(r.status == "done" and len(r.generated) == r.max_new_tokens for r in requests)
     assert len(engine.finished) == 5000 and engine.allocator.num_free() == 12
     assert sum(engine.allocator.ref_count) == 0
 
 
-@pytest.mark.parametrize("request_args, message", [
-    (([], 5), "empty prompt"),
-    (([1] * 60, 6), "60 tokens + max_new_tokens 6 = 66 exceeds the model's context of 64"),
-    (([1] * 10, 0), "max_new_tokens is 0"),
-    (([1] * 10, 30), "needs 10 blocks of 4, but the pool has only 8"),
-    (([1], 5, -1.0), "temperature -1.0 must be a finite number >= 0"),
-    (([1], 5, float("nan")), "temperature nan must be a finite number >= 0"),
-    (([1], 5, 1.0, 0), "top_k 0 >= 1"),
-])
+@pytest.mark.parametrize(
+    "request_args, message",
+    [
+        (([], 5), "empty prompt"),
+        (([1] * 60, 6), "60 tokens + max_new_tokens 6 = 66 exceeds the model's context of 64"),
+        (([1] * 10, 0), "max_new_tokens is 0"),
+        (([1] * 10, 30), "needs 10 blocks of 4, but the pool has only 8"),
+        (([1], 5, -1.0), "temperature -1.0 must be a finite number >= 0"),
+        (([1], 5, float("nan")), "temperature nan must be a finite number >= 0"),
+        (([1], 5, 1.0, 0), "top_k 0 >= 1"),
+    ],
+)
 def test_requests_that_can_never_run_are_refused_and_others_go_on(model, request_args, message):
     engine = PagedEngine(model, num_blocks=8, block_size=4)
     fine = Request([1, 2, 3], 4)
@@ -82,8 +99,15 @@ def test_requests_that_can_never_run_are_refused_and_others_go_on(model, request
     assert fine.status == "done" and len(fine.generated) == 4 and engine.allocator.num_free() == 8
 
 
-@pytest.mark.parametrize("kwargs, message", [(dict(block_size=0), "block_size 0"), (dict(token_budget=0), "token_budget 0"),
-                                             (dict(num_blocks=0), "num_blocks 0"), (dict(max_batch=0), "max_batch is 0")])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(block_size=0), "block_size 0"),
+        (dict(token_budget=0), "token_budget 0"),
+        (dict(num_blocks=0), "num_blocks 0"),
+        (dict(max_batch=0), "max_batch is 0"),
+    ],
+)
 def test_bad_engine_arguments_are_refused(model, kwargs, message):
     with pytest.raises(ValueError, match=message):
         PagedEngine(model, **{"num_blocks": 8, **kwargs})

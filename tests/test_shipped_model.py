@@ -1,4 +1,5 @@
 """The tiny Shakespeare model that ships in models/: what the first `python generate.py --paged` runs (issue 27)."""
+
 import pytest
 import torch
 
