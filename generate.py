@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from bench.contiguous import ContiguousEngine
+from contiguous import ContiguousEngine
 from scheduler import PagedEngine, Request, blocks_for
 from train_tiny import HelpFormatter, export_hf, get_tokenizer, load_checkpoint, shakespeare
 
@@ -241,9 +241,9 @@ def arrivals(n, rate, seed):
     return times
 
 
-def make_engine(model, kind, args, prompts, news, num_tokens):
+def make_engine(model, kind, args, prompts, news, vocab_size):
     if kind.startswith("contiguous"):
-        return ContiguousEngine(model, args.max_batch, num_tokens, args.kv_budget, kind.partition("_")[2] or "max")
+        return ContiguousEngine(model, args.max_batch, vocab_size, args.kv_budget, kind.partition("_")[2] or "max")
     num_blocks = args.kv_budget // args.block_size if args.kv_budget else args.num_blocks
     if not num_blocks:  # default: a pool that holds every sequence at once
         width = max(args.num_samples, args.num_beams)
@@ -256,7 +256,7 @@ def make_engine(model, kind, args, prompts, news, num_tokens):
         args.max_batch,
         kind == "paged_prefix",
         args.compile,
-        num_tokens=num_tokens,
+        vocab_size=vocab_size,
     )
 
 
@@ -615,19 +615,19 @@ def choose_designs(args):
     return ["contiguous_" + (args.reserve or "max") if args.kv_budget else "contiguous"]
 
 
-def run_designs(model, kinds, args, prompts, news, num_tokens, results):
+def run_designs(model, kinds, args, prompts, news, vocab_size, results):
     """Warm every design up untimed, then serve the workload with each, at each rate. results fills in as
     runs finish, so that an interrupt keeps them."""
     for kind in kinds:  # untimed: first calls pay one-time setup, which would bias the first design run
-        engine = make_engine(model, kind, args, prompts, news, num_tokens)
+        engine = make_engine(model, kind, args, prompts, news, vocab_size)
         for r in make_requests(args, prompts, news):  # refuse what can never run before compiling anything
             engine.check(r)
         warm_up(engine, len(prompts) * max(args.num_samples, args.num_beams))
-        make_engine(model, kind, args, prompts, news, num_tokens).run([Request(p[:16], 2) for p in prompts[:2]])
+        make_engine(model, kind, args, prompts, news, vocab_size).run([Request(p[:16], 2) for p in prompts[:2]])
     for rate in args.sweep_rates or [args.request_rate]:
         results.runs = {}
         for kind in kinds:
-            engine = make_engine(model, kind, args, prompts, news, num_tokens)
+            engine = make_engine(model, kind, args, prompts, news, vocab_size)
             results.requests = make_requests(args, prompts, news)
             results.runs[kind], results.steps[kind] = serve(engine, results.requests, args, rate)
             if kind == kinds[0]:

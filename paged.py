@@ -91,11 +91,11 @@ def gather_kv(pool, block_table):
 
 def gather_attend(q, k_pool, v_pool, block_table, kv_len):
     """Decode attention straight from the pool: q (B, H, D), block_table (B, W), kv_len (B,) -> (B, H, D).
-    Products and sums, so that torch.compile fuses the block gather into the reductions, with no copy."""
+    Products and sums, so that torch.compile fuses the block gather, and bf16's conversion to float32, into
+    the reductions: the pool is read in place, never copied (tests/test_bf16.py)."""
     B, H, D = q.shape
-    acc = torch.promote_types(q.dtype, torch.float32)  # bfloat16 accumulates in float32, float64 stays exact
-    scores = (q[:, None, None].to(acc) * k_pool[block_table].to(acc)).sum(-1) * D**-0.5  # (B, W, bs, H)
-    scores = scores.view(B, -1, H)  # (B, L, H)
+    acc = torch.promote_types(q.dtype, torch.float32)  # float64 stays exact
+    scores = (q[:, None, None].to(acc) * k_pool[block_table].to(acc)).sum(-1).view(B, -1, H) * D**-0.5  # (B, L, H)
     visible = torch.arange(scores.shape[1], device=q.device) < kv_len[:, None]  # (B, L)
     p = scores.masked_fill(~visible[..., None], float("-inf")).softmax(1)
     return (p[..., None] * v_pool[block_table].to(acc).view(B, -1, H, D)).sum(1).to(q.dtype)
@@ -103,13 +103,11 @@ def gather_attend(q, k_pool, v_pool, block_table, kv_len):
 
 class StepBatch:
     """Where one forward's new tokens sit. Entry i of the plan, (sequence, n), brings n new tokens after its
-    num_computed cached ones; one-token entries (decode) come first and attend together in one call, then
-    each prefill chunk attends alone, at its own size. samplers: (entry, sequence) for each sequence whose
-    next token is due: the entry's last token gives its logits (forks of a prompt share its entry).
-    Built on the host with tensor ops, then copied to the device at once by stage():
-        idx, positions (N,): the new tokens and their positions;
-        logit_rows (S,): the token whose logits each sampler reads;
-        sample_rows, sample_pos (S,): each sampler's row, and the position of the token it samples."""
+    num_computed cached ones; one-token entries (decode) come first and attend together in one call, then each
+    prefill chunk alone. samplers: (entry, sequence) for each sequence whose next token is due, read from the
+    entry's last token (forks of a prompt share its entry). Built on the host, copied to the device at once by
+    stage(): idx, positions (N,): the new tokens and their positions; logit_rows, sample_rows, sample_pos (S,):
+    the token whose logits each sampler reads, the sampler's row, and the position of the token it samples."""
 
     def __init__(self, plan, samplers):
         starts, lens = [s.num_computed for s, _ in plan], [n for _, n in plan]

@@ -31,7 +31,6 @@ class Request:
         self.status = "waiting"  # -> running -> done
         self.arrival = self.first_token_at = self.done_at = None
         self.width = max(n, num_beams)  # the sequences it runs at once
-        self.forked = False  # whether its prompt has forked into them
         self.sequences = [Sequence(self, prompt, seed)]
 
     @property
@@ -57,8 +56,8 @@ class Sequence:
     def generated(self):
         return self.tokens[len(self.request.prompt) :]
 
-    def width(self):  # rows admission finds for it: before its prompt forks, every sequence its request runs
-        return 1 if self.request.forked else self.request.width
+    def num_rows(self):  # rows admission finds for it: before its prompt forks, every sequence its request runs
+        return 1 if len(self.request.sequences) > 1 else self.request.width  # forks never fall back to one
 
 
 WALL_CLOCK = SimpleNamespace(now=time.perf_counter, sleep=time.sleep)  # the harness sleeps; tests swap in fakes
@@ -68,14 +67,14 @@ class Engine:
     """Runs requests to completion. Subclasses choose each step's tokens (schedule) and keep K/V (make_batch,
     fork_kv, release)."""
 
-    def __init__(self, model, max_batch=64, num_tokens=None, clock=None):
+    def __init__(self, model, max_batch=64, vocab_size=None, clock=None):
         if max_batch < 1:
             raise ValueError(f"max_batch is {max_batch}; it must be at least 1")
         self.model, self.max_batch, self.window = model, max_batch, model.config.block_size
-        prepack(model)  # on a CPU in float32, linear weights in oneDNN's layout, once
+        prepack(model)  # on a CPU, linear weights in oneDNN's layout, once
         self.max_running = max_batch  # sequences at once
-        # ids from num_tokens on are never sampled: nanoGPT pads GPT-2's 50,257 tokens to 50,304 ids
-        self.num_tokens = num_tokens or model.config.vocab_size
+        # ids from vocab_size on are never sampled: nanoGPT pads GPT-2's 50,257 tokens to 50,304 ids
+        self.vocab_size = vocab_size or model.config.vocab_size
         self.device = model.lm_head.weight.device
         self.clock = clock or WALL_CLOCK
         self.waiting, self.running, self.finished = deque(), [], []  # sequences, sequences, requests
@@ -122,26 +121,28 @@ class Engine:
         plan = sorted(self.schedule(), key=lambda entry: entry[1] > 1)  # [(sequence, new tokens)], one-token first
         if not plan:  # admission always lets something run; never spin
             raise RuntimeError(f"no progress: {len(self.waiting)} waiting, {len(self.running)} running")
-        samplers = self.samplers(plan)
+        samplers = self.due(plan)
         batch = self.make_batch(plan, samplers)
         logits, _ = self.model(batch.idx, batch=batch)  # (len(samplers), V)
         self.computed(plan, samplers)
+        # sampling and beam scores read float32 (float64 stays), as vLLM's; ids past the vocabulary never win
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        logits[:, self.vocab_size :] = float("-inf")
         tokens = self.sample(logits, batch, samplers)
         self.append(samplers, tokens, logits)
 
-    def samplers(self, plan):
-        """(plan entry, sequence) for each sequence whose next token is due. A prompt of n samples forks here,
-        before the forward, so that its forks' rows join the step's batch."""
-        due = [(i, s) for i, (s, n) in enumerate(plan) if s.num_computed + n == len(s.tokens)]
-        return [(i, seq) for i, s in due for seq in [s] + self.fork_samples(s)]
-
-    def fork_samples(self, s):
-        r = s.request
-        if r.n == 1 or r.forked:
-            return []
-        r.forked = True
-        r.sequences += [self.fork(s, r.seed + j) for j in range(1, r.n)]
-        return r.sequences[1:]
+    def due(self, plan):
+        """The step's samplers: (plan entry, sequence) for each sequence whose next token is due. A prompt of n
+        samples forks here, before the forward, so its forks' rows join the step's batch."""
+        samplers = []
+        for i, s in [(i, s) for i, (s, n) in enumerate(plan) if s.num_computed + n == len(s.tokens)]:
+            r = s.request
+            if r.n > 1 and len(r.sequences) == 1:  # its prompt completes now: fork
+                r.sequences += [self.fork(s, r.seed + j) for j in range(1, r.n)]
+                samplers += [(i, x) for x in r.sequences]
+            else:
+                samplers.append((i, s))
+        return samplers
 
     def fork(self, s, seed):  # a sequence that runs on its own from s's tokens and score; fork_kv gives it s's K/V
         child = Sequence(s.request, s.tokens, seed)
@@ -153,7 +154,7 @@ class Engine:
         s.row = self.free_rows.pop()
         r = s.request
         r.status = "running"
-        top_k = r.top_k if r.top_k and r.top_k < self.num_tokens else 0  # 0: every id is a candidate
+        top_k = r.top_k if r.top_k and r.top_k < self.vocab_size else 0  # 0: every id is a candidate
         self.temperature[s.row], self.top_k[s.row], self.seed[s.row] = r.temperature, top_k, s.seed
         s.status = status
         self.running.append(s)
@@ -168,9 +169,8 @@ class Engine:
 
     def sample(self, logits, batch, samplers):
         """A token for every sampler, drawn on the device from its row's settings -> a list: one transfer."""
-        logits[:, self.num_tokens :] = float("-inf")  # in place: argmax over a slice ran 4x slower (numpy)
-        hot = [s.request.top_k or self.num_tokens for _, s in samplers if s.request.temperature > 0]
-        cuts = [k for k in hot if k < self.num_tokens]
+        hot = [s.request.top_k or self.vocab_size for _, s in samplers if s.request.temperature > 0]
+        cuts = [k for k in hot if k < self.vocab_size]
         rows = batch.sample_rows
         settings = self.temperature[rows], self.top_k[rows], self.seed[rows], batch.sample_pos
         return sample_logits(logits, *settings, max(cuts, default=0), len(cuts) < len(hot)).tolist()
@@ -201,7 +201,7 @@ class Engine:
         """One step of beam search for r's group, as HF's: the num_beams likeliest continuations of its
         live beams by summed log-probability (float32) survive, best first; a beam continued more than once
         forks, and a beam not continued dies and frees its blocks. Ends when the beams reach max_new_tokens."""
-        beams, r.forked = r.sequences, True
+        beams = r.sequences
         scores = torch.stack([b.logprobs for b in beams]) + torch.tensor([b.score for b in beams])[:, None]  # (B, V)
         top = scores.flatten().topk(min(r.num_beams, scores.numel()))  # the first step may have fewer
         V = scores.shape[1]
@@ -243,7 +243,7 @@ class PagedEngine(Engine):
     def __init__(
         self, model, num_blocks, block_size=16, token_budget=512, max_batch=64, prefix_cache=True, compile="auto", **kw
     ):
-        super().__init__(model, max_batch, **kw)  # and num_tokens, clock
+        super().__init__(model, max_batch, **kw)  # and vocab_size, clock
         if min(block_size, token_budget, num_blocks) < 1 or compile not in ("auto", "on", "off"):
             why = f"block_size {block_size}, token_budget {token_budget}, num_blocks {num_blocks} must be >= 1"
             raise ValueError(f"{why}, compile {compile!r} auto, on or off")
@@ -270,12 +270,13 @@ class PagedEngine(Engine):
             raise ValueError(f"{why}{each}, but the pool has only {self.allocator.num_blocks}")
 
     def schedule(self):
-        budget, plan = self.token_budget, []
-        for s in list(self.running):  # oldest first, so preemption takes the newest
-            if s.status == "decoding" and s.logprobs is None and self.reserve_slot(s):
-                plan.append((s, 1))
-                budget -= 1
-        plan = [(s, n) for s, n in plan if s.row is not None]  # a beam group goes whole: some may have gone
+        decoding = [s for s in self.running if s.status == "decoding" and s.logprobs is None]
+        for s in decoding:  # oldest first, so preemption takes the newest
+            if s.row is not None:
+                self.reserve_slot(s)
+        # a reservation may preempt sequences that reserved before it: a beam group is preempted whole
+        plan = [(s, 1) for s in decoding if s.row is not None]
+        budget = self.token_budget - len(plan)
         prefilling = [s for s in self.running if s.status == "prefilling"]
         while self.waiting and budget > sum(len(s.tokens) - s.num_computed for s in prefilling):
             admitted = self.admit(self.waiting[0])
@@ -291,17 +292,17 @@ class PagedEngine(Engine):
     def reserve_slot(self, s):
         """Give s's next token a slot of its own: a new block when its last is full, a copy of its last when a
         fork shares it (copy-on-write: full blocks are never written). With no block free even after evicting
-        cached ones, preempt the newest running sequence, s itself included. False if s was preempted."""
+        cached ones, preempt the newest running sequence, s itself included."""
         k = s.num_computed // self.block_size  # the block its next token goes in
         if k < len(s.block_table) and not self.allocator.is_shared(s.block_table[k]):
-            return True
+            return
         while not self.allocator.can_allocate(1):  # a beam group goes whole: a beam needs all its group to step
             newest, r = self.running[-1], self.running[-1].request
             group = [x for x in self.running if x.request is r] if r.num_beams > 1 else [newest]
             for victim in reversed(group):
                 self.preempt(victim)
             if s in group:
-                return False
+                return
         [block] = self.allocator.allocate(1)
         if k < len(s.block_table):  # copy the shared block's K/V in every layer, then let go of it
             shared = s.block_table[k]
@@ -311,7 +312,6 @@ class PagedEngine(Engine):
         else:
             s.block_table.append(block)
         self.block_tables[s.row, k] = block
-        return True
 
     def preempt(self, s):
         """Free s's blocks (hashed ones stay cached) and requeue it first, to recompute its K/V when readmitted."""
@@ -325,14 +325,14 @@ class PagedEngine(Engine):
         s waits, and so does everyone behind it."""
         same = lambda x: x.request is s.request
         group = list(itertools.takewhile(same, self.waiting)) if s.request.num_beams > 1 else [s]
-        if sum(x.width() for x in self.running + group) > self.max_running:
+        if sum(x.num_rows() for x in self.running + group) > self.max_running:
             return []
         hits = [self.cached_prefix(x) if self.prefix_cache else [] for x in group]
         if len(group) == 1 and self.prefix_cache and self.prefix_in_flight(s, len(hits[0])):
             return []  # a running sequence is computing this prefix's next block: wait and share it
         new_blocks = [blocks_for(len(x.tokens), self.block_size) - len(h) for x, h in zip(group, hits)]
         revived = {b for h in hits for b in h if self.allocator.ref_count[b] == 0}  # free cached hits count
-        copies = (s.width() - 1) * (len(s.tokens) % self.block_size > 0)  # alone, its forks may preempt each other
+        copies = (s.num_rows() - 1) * (len(s.tokens) % self.block_size > 0)  # alone, its forks may preempt each other
         need = sum(new_blocks) + len(revived) + (copies + self.watermark) * bool(self.running)
         if not self.allocator.can_allocate(need):
             return []
@@ -377,8 +377,8 @@ class PagedEngine(Engine):
 
     def make_batch(self, plan, samplers):
         compiled = self.compile != "off" and sum(n == 1 for _, n in plan) >= self.compile_from
-        pool = self.k_pool, self.v_pool, self.block_tables, self.allocator.padding_block
-        return PagedBatch(plan, samplers, *pool, compiled)
+        padding = self.allocator.padding_block
+        return PagedBatch(plan, samplers, self.k_pool, self.v_pool, self.block_tables, padding, compiled)
 
     def computed(self, plan, samplers):
         super().computed(plan, samplers)

@@ -53,7 +53,7 @@ def main():
         prompts, news = workload(enc, spec)
         num_blocks = sum(-(-(len(p) + n - 1) // 16) for p, n in zip(prompts, news))
         engines = {
-            mode: PagedEngine(model, num_blocks, max_batch=64, num_tokens=50257, compile=mode) for mode in ("off", "on")
+            mode: PagedEngine(model, num_blocks, max_batch=64, vocab_size=50257, compile=mode) for mode in ("off", "on")
         }
         start = time.time()
         warm_up(engines["on"], len(prompts))
@@ -63,7 +63,7 @@ def main():
         speeds, outputs = {"off": [], "on": []}, {}
         for _ in range(args.repeats):
             for mode in ("off", "on"):
-                engine = PagedEngine(model, num_blocks, max_batch=64, num_tokens=50257, compile=mode)
+                engine = PagedEngine(model, num_blocks, max_batch=64, vocab_size=50257, compile=mode)
                 requests = [Request(p, n) for p, n in zip(prompts, news)]
                 start = time.perf_counter()
                 engine.run(requests)

@@ -33,7 +33,7 @@ from train_tiny import load_checkpoint
 
 def serve(model, forward, prompts, new_tokens):
     """-> (output tok/s, outputs), one PagedEngine with its defaults; forward replaces the model's call."""
-    engine = PagedEngine(model, sum(blocks_for(len(p) + new_tokens, 16) for p in prompts), num_tokens=50257)
+    engine = PagedEngine(model, sum(blocks_for(len(p) + new_tokens, 16) for p in prompts), vocab_size=50257)
     if forward is not None:
         for m in model.modules():  # the engine prepacked them; the compiled graph packs its own
             if isinstance(m, Linear):

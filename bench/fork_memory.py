@@ -29,7 +29,7 @@ from scheduler import PagedEngine, Request
 from train_tiny import get_tokenizer, load_checkpoint
 
 
-def run(model, requests, num_tokens, width):
+def run(model, requests, vocab_size, width):
     """Step the engine by hand -> (seconds, per-step blocks held, per-step blocks if nothing were shared)."""
     num_blocks = sum(-(-(len(r.prompt) + r.max_new_tokens - 1) // 16) for r in requests) * width
     engine = PagedEngine(
@@ -38,7 +38,7 @@ def run(model, requests, num_tokens, width):
         max_batch=len(requests) * width,
         token_budget=4096,
         prefix_cache=False,
-        num_tokens=num_tokens,
+        vocab_size=vocab_size,
         compile="off",
     )
     meter = Meter(engine)

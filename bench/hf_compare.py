@@ -111,7 +111,7 @@ def run_ours(model, prompts, news, n=1, num_beams=1, temperature=0.0, top_k=None
         for i, (p, m) in enumerate(zip(prompts, news))
     ]
     num_blocks = sum(-(-(len(p) + m - 1) // 16) for p, m in zip(prompts, news)) * max(n, num_beams)
-    engine = PagedEngine(model, num_blocks, max_batch=64 * max(n, num_beams), num_tokens=50257)
+    engine = PagedEngine(model, num_blocks, max_batch=64 * max(n, num_beams), vocab_size=50257)
     start = time.perf_counter()
     engine.run(requests)
     return time.perf_counter() - start, [r.generated for r in requests]

@@ -57,7 +57,7 @@ def run(model, prompts, news, temperature, two_level=False):
         Request(p, n, temperature, 200 if temperature else None, seed=1337 + i)
         for i, (p, n) in enumerate(zip(prompts, news))
     ]
-    engine = PagedEngine(model, sum(-(-(len(p) + n - 1) // 16) for p, n in zip(prompts, news)), num_tokens=50257)
+    engine = PagedEngine(model, sum(-(-(len(p) + n - 1) // 16) for p, n in zip(prompts, news)), vocab_size=50257)
     sample, times = scheduler.sample_logits, []
 
     def timed_sample(*args):

@@ -82,7 +82,7 @@ def run_ours(folder, timed, warm, new):
 
     def serve(prompts, new_tokens):
         num_blocks = sum(blocks_for(len(p) + new_tokens, 16) for p in prompts)
-        engine = PagedEngine(model, num_blocks, max_batch=64, num_tokens=50257)
+        engine = PagedEngine(model, num_blocks, max_batch=64, vocab_size=50257)
         requests = [Request(p, new_tokens) for p in prompts]
         start = time.perf_counter()
         engine.run(requests)

@@ -6,7 +6,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.contiguous import ContiguousEngine
+from contiguous import ContiguousEngine
 from generate import Meter, kv_slots
 from model import GPT, GPTConfig
 from scheduler import Request

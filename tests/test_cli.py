@@ -8,7 +8,7 @@ from conftest import run_engine, tiny_gpt
 from test_model import save_nanogpt_ckpt
 
 import generate
-from bench.contiguous import ContiguousEngine
+from contiguous import ContiguousEngine
 from generate import metrics, percentile
 from model import GPT, GPTConfig
 from scheduler import PagedEngine, Request

@@ -6,7 +6,7 @@ import pytest
 from conftest import baseline, check_invariants, run_engine
 from test_fork import samples_as_separate_requests
 
-from bench.contiguous import ContiguousEngine
+from contiguous import ContiguousEngine
 from generate import metrics
 from scheduler import PagedEngine, Request
 

@@ -10,7 +10,7 @@ from conftest import baseline, make_requests, tiny_gpt
 from test_model import save_nanogpt_ckpt
 
 import generate
-from bench.contiguous import ContiguousEngine
+from contiguous import ContiguousEngine
 from generate import Meter
 from scheduler import PagedEngine
 

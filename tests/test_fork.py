@@ -9,7 +9,7 @@ from conftest import baseline, check_invariants, run_engine, tiny_gpt
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bench.contiguous import ContiguousEngine
+from contiguous import ContiguousEngine
 from scheduler import PagedEngine, Request
 
 

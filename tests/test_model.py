@@ -7,7 +7,7 @@ import torch
 from conftest import baseline, make_requests, run_engine, tiny_gpt
 
 import generate
-from bench.contiguous import ContiguousBatch, ContiguousEngine
+from contiguous import ContiguousBatch, ContiguousEngine
 from model import GPT, GPTConfig, sample, uniform
 from paged import PagedBatch
 from scheduler import Request

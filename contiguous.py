@@ -40,8 +40,8 @@ class ContiguousEngine(Engine):
     baselines do: the whole context (max: FasterTransformer, Orca (Max)), prompt + max_new_tokens
     rounded up to a power of two (pow2: Orca (Pow2)), or exactly (oracle: Orca (Oracle))."""
 
-    def __init__(self, model, max_batch=64, num_tokens=None, kv_budget=None, reserve="max", clock=None):
-        super().__init__(model, max_batch, num_tokens, clock)
+    def __init__(self, model, max_batch=64, vocab_size=None, kv_budget=None, reserve="max", clock=None):
+        super().__init__(model, max_batch, vocab_size, clock)
         if reserve not in ("max", "pow2", "oracle") or (kv_budget is not None and kv_budget < 1):
             raise ValueError(f"reserve {reserve!r} must be max, pow2 or oracle, and kv_budget {kv_budget} at least 1")
         self.kv_budget, self.reserve, self.reserved = kv_budget, reserve, 0
@@ -60,9 +60,9 @@ class ContiguousEngine(Engine):
 
     def schedule(self):  # a request reserves for all the sequences it will fork into
         c, dtype = self.model.config, self.model.lm_head.weight.dtype
-        while self.waiting and sum(s.width() for s in self.running + [self.waiting[0]]) <= self.max_batch:
+        while self.waiting and sum(s.num_rows() for s in self.running + [self.waiting[0]]) <= self.max_batch:
             s = self.waiting[0]
-            need = self.reservation(s.request) * s.width()
+            need = self.reservation(s.request) * s.num_rows()
             if self.kv_budget is not None and self.reserved + need > self.kv_budget:
                 break
             self.reserved += need
