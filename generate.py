@@ -86,6 +86,97 @@ def kv_slots(engine):
     return dict(allocated=allocated, used=used, ahead=ahead)
 
 
+POOL_STATES = {  # a block's state after a step, its color in the picture
+    "free": "#f4f4f4",
+    "held by one sequence": "#4c72b0",
+    "shared (reference count > 1)": "#dd8452",
+    "cached, free (a prefix hit can revive it)": "#8fd18f",
+    "copied on write this step": "#c44e52",
+}
+FREE, HELD, SHARED, CACHED, COPIED = range(len(POOL_STATES))
+
+
+class PoolMap:
+    """The block pool over a run, recorded from outside the paged engine as Meter is: after every step, each
+    block's state, and the steps at which sequences were admitted and preempted. It wraps the engine's step,
+    admit, preempt and reserve_slot; draw() makes the picture: one row per block, one column per step.
+
+        pool_map = PoolMap(engine); engine.run(requests); pool_map.draw("pool.png")"""
+
+    def __init__(self, engine):
+        self.engine, self.states, self.admitted, self.preempted, self.copied = engine, [], [], [], []
+        step, admit, preempt, reserve_slot = engine.step, engine.admit, engine.preempt, engine.reserve_slot
+
+        def stepped():
+            result = step()
+            self.record()
+            return result
+
+        def admitted(s):
+            group = admit(s)
+            self.admitted += [len(self.states)] * len(group)
+            return group
+
+        def preempted(s):
+            self.preempted.append(len(self.states))
+            preempt(s)
+
+        def reserved(s):  # a copy on write replaces a block of s's table in place
+            before = list(s.block_table)
+            reserve_slot(s)
+            if len(s.block_table) == len(before):
+                self.copied += [new for old, new in zip(before, s.block_table) if old != new]
+
+        engine.step, engine.admit, engine.preempt, engine.reserve_slot = stepped, admitted, preempted, reserved
+
+    def record(self):
+        allocator = self.engine.allocator
+        ref_count = np.array(allocator.ref_count)
+        states = np.where(ref_count > 1, SHARED, np.where(ref_count == 1, HELD, FREE)).astype(np.int8)
+        states[list(allocator.cached)] = CACHED
+        # a copy is held by the sequence that made it, and by its forks if a beam step forked it; a beam that
+        # died in the step let go of its copy
+        states[[block for block in self.copied if ref_count[block] > 0]] = COPIED
+        self.states.append(states)
+        self.copied = []
+
+    def draw(self, path, title=""):
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.colors import ListedColormap
+        from matplotlib.patches import Patch
+        from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+        grid = np.stack(self.states, axis=1)  # (num_blocks, steps)
+        steps = np.arange(grid.shape[1])
+        fig, (events, pool) = plt.subplots(
+            2, 1, figsize=(12, 6.5), sharex=True, gridspec_kw=dict(height_ratios=[1, 5], hspace=0.05)
+        )
+        admitted, preempted = (
+            np.bincount(self.admitted, minlength=len(steps)),
+            np.bincount(self.preempted, minlength=len(steps)),
+        )
+        events.bar(steps, admitted[: len(steps)], width=1.0, color="#55a868", label=f"admitted ({len(self.admitted)})")
+        events.bar(
+            steps, -preempted[: len(steps)], width=1.0, color="#c44e52", label=f"preempted ({len(self.preempted)})"
+        )
+        events.axhline(0, color="black", linewidth=0.5)
+        events.set(ylabel="sequences")
+        events.yaxis.set_major_locator(MaxNLocator(integer=True))
+        events.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{abs(y):g}"))  # preemptions point down
+        events.legend(loc="upper right", fontsize=8)
+        colors = ListedColormap(list(POOL_STATES.values()))
+        pool.imshow(grid, cmap=colors, vmin=-0.5, vmax=len(POOL_STATES) - 0.5, aspect="auto", interpolation="nearest")
+        pool.set(xlabel="step", ylabel="block")
+        patches = [Patch(color=c, label=name) for name, c in POOL_STATES.items()]
+        pool.legend(handles=patches, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3, fontsize=8)
+        events.set_title(title or f"the block pool: {grid.shape[0]} blocks over {grid.shape[1]} steps")
+        fig.savefig(path, dpi=110, bbox_inches="tight")
+        plt.close(fig)
+
+
 LABELS = {
     "contiguous": "contiguous",
     "contiguous_max": "contiguous, reserve max",
@@ -495,6 +586,9 @@ def parser():
     p.add_argument("--shared-prefix", type=number_type(0), default=0, help="tokens every workload prompt starts with")
     p.add_argument("--plot", help="draw the runs (or the sweep) to this image file")
     p.add_argument(
+        "--pool-map", metavar="FILE", help="with --paged: draw every block's state at every step to this image file"
+    )
+    p.add_argument(
         "--export-hf",
         metavar="DIR",
         help="write --ckpt as a Hugging Face GPT-2 folder (safetensors, tokenizer) and exit",
@@ -510,6 +604,7 @@ def parse_args(argv=None):
         ("--sweep-rates", args.sweep_rates, "--compare", args.compare),
         ("--num-blocks", args.num_blocks, "no --kv-budget", not args.kv_budget),
         ("--length-penalty", args.length_penalty != 1, "--num-beams", args.num_beams > 1),
+        ("--pool-map", args.pool_map, "--paged, without --compare", args.paged and not args.compare),
     ]:
         if value and not present:
             fail(f"{flag} needs {needs}")
@@ -527,16 +622,17 @@ def parse_args(argv=None):
         fail("--max-new-tokens is for your own prompts; a --num-requests workload draws --new-tokens MIN:MAX")
     args.max_new_tokens = args.max_new_tokens or 100
     args.num_requests = args.num_requests or (64 if workload_run else None)
-    for flag, path in [("--json", args.json), ("--plot", args.plot)]:  # fail now, not after the whole run
+    images = [("--plot", args.plot), ("--pool-map", args.pool_map)]
+    for flag, path in [("--json", args.json)] + images:  # fail now, not after the whole run
         folder = os.path.dirname(os.path.abspath(path)) if path else None
         if path and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
             fail(f"{flag} {path}: the folder {folder} does not exist or is not writable")
-    if args.plot:
+    for flag, path in images:
         from matplotlib.backend_bases import FigureCanvasBase
 
         kinds = FigureCanvasBase.get_supported_filetypes()
-        if os.path.splitext(args.plot)[1][1:].lower() not in kinds:
-            fail(f"--plot {args.plot}: the file name must end in one of .{', .'.join(sorted(kinds))}")
+        if path and os.path.splitext(path)[1][1:].lower() not in kinds:
+            fail(f"{flag} {path}: the file name must end in one of .{', .'.join(sorted(kinds))}")
     return args
 
 
@@ -629,6 +725,7 @@ def run_designs(model, kinds, args, prompts, news, vocab_size, results):
         for kind in kinds:
             engine = make_engine(model, kind, args, prompts, news, vocab_size)
             results.requests = make_requests(args, prompts, news)
+            results.pool_map = PoolMap(engine) if args.pool_map else None  # --paged: one design
             results.runs[kind], results.steps[kind] = serve(engine, results.requests, args, rate)
             if kind == kinds[0]:
                 first = results.requests
@@ -676,6 +773,11 @@ def report(args, kinds, texts, prompts, results, enc):
     if args.plot:
         plot(results.steps, results.sweep if args.sweep_rates else None, args.plot, workload_name)
         print(f"plot written to {args.plot}")
+    if args.pool_map:
+        pool_map = results.pool_map
+        num_blocks, steps = pool_map.engine.allocator.num_blocks, len(pool_map.states)
+        pool_map.draw(args.pool_map, f"{workload_name}, {LABELS[kinds[0]]}: {num_blocks} blocks of {args.block_size}")
+        print(f"pool map written to {args.pool_map}: {num_blocks} blocks over {steps} steps")
 
 
 def main(argv=None):
