@@ -15,7 +15,8 @@ the held-out plays (seeded). Every request generates exactly its new tokens (ign
                            SamplingParams(n=N); every sample's tokens counted, in both
 dtype: both engines run the --dtype given, explicitly. vLLM's own default on an x86 CPU is bfloat16: it
 downcasts a float32 checkpoint unless told otherwise.
-Each run is its own process: it loads the model, warms up on *other* prompts of the same lengths
+Both engines schedule up to 4,096 tokens a step (vLLM's default for its LLM class on a CPU; ours' own
+default, 512, is what generate.py's experiments run). Each run is its own process: it loads the model, warms up on *other* prompts of the same lengths
 (vLLM's prefix cache is on by default: a warm-up on the timed prompts would let it skip prefill), then
 times one pass over the timed prompts. Runs alternate ours and each vLLM setup; the table gives medians
 (min-max) over the repeats, and compares ours against the faster vLLM setup. Peak KV blocks: the most
@@ -105,7 +106,8 @@ def run_ours(job):
 
     def serve(prompts, new_tokens):
         num_blocks = sum(blocks_for(len(p) + new_tokens, 16) for p in prompts) * width
-        engine = PagedEngine(model, num_blocks, max_batch=64 * width, vocab_size=50257)
+        # vLLM's LLM class on a CPU schedules up to 4,096 tokens a step (max_num_batched_tokens): ours the same
+        engine = PagedEngine(model, num_blocks, token_budget=4096, max_batch=64 * width, vocab_size=50257)
         requests = [
             Request(p, new_tokens, num_beams=job["beams"])
             if job["samples"] == 1

@@ -1,0 +1,71 @@
+"""How close each engine runs to its GEMMs: the CPU's throughput on one large torch.mm, and for each workload
+of a bench/vllm_compare.py table, the time its linear layers alone would take at that rate, as a share of
+the time each engine took.
+
+    python bench/vllm_compare.py --dtype bfloat16 > out/vllm_bf16.txt
+    python bench/gemm_bound.py out/vllm_bf16.txt
+
+A workload's GEMM work: every prompt token and every fed-back new token goes through each layer's four
+linears (12 n_embd^2 weights), and every new token's logits through the lm_head (n_embd x 50,257); 2 FLOPs
+per weight. Attention, layer norms and sampling are left out: the share is how much of a step is GEMMs
+at the rate a large, well-shaped mm reaches, so 100% is out of reach and the rest is everything else.
+"""
+
+import argparse
+import os
+import re
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from vllm_compare import SHAPES, WORKLOADS, parse, prompts_for
+
+
+def mm_gflops(dtype, n=4096, repeats=5):
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    torch.mm(a, b)
+    best = min(timed(lambda: torch.mm(a, b)) for _ in range(repeats))
+    return 2 * n**3 / best / 1e9
+
+
+def timed(fn):
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def gemm_flops(name):
+    shape, key, _, _ = parse(name)
+    n_layer, _, n_embd = SHAPES[shape]
+    _, _, new = WORKLOADS[key]
+    prompts = prompts_for(key, 1)
+    body_tokens = sum(len(p) + new - 1 for p in prompts)
+    return 2 * (12 * n_embd**2 * n_layer * body_tokens + n_embd * 50257 * new * len(prompts)), new * len(prompts)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("table", help="the output of bench/vllm_compare.py (greedy workloads)")
+    args = p.parse_args()
+    with open(args.table) as f:
+        text = f.read()
+    dtype = re.search(r"--dtype (\w+)", text).group(1)
+    rate = mm_gflops(getattr(torch, dtype))
+    print(f"torch.mm 4096^3 in {dtype}: {rate:,.0f} GFLOP/s, {torch.get_num_threads()} threads; from {args.table}")
+    for block in re.split(r"^--- ", text, flags=re.MULTILINE)[1:]:
+        name = block.split()[0]
+        if parse(name)[2:] != (1, 1):  # greedy workloads only: beams and samples do other work per token
+            continue
+        flops, tokens = gemm_flops(name)
+        gemm_s = flops / rate / 1e9
+        shares = []
+        for engine, speed in re.findall(r"^  (ours|vllm \w+)\s+([\d,.]+) \(", block, flags=re.MULTILINE):
+            seconds = tokens / float(speed.replace(",", ""))
+            shares.append(f"{engine} {seconds:.2f} s, GEMMs {100 * gemm_s / seconds:.0f}% of it")
+        print(f"  {name}: {flops / 1e9:,.0f} GFLOP of GEMMs, {gemm_s:.2f} s at that rate; " + "; ".join(shares))
+
+
+if __name__ == "__main__":
+    main()
