@@ -164,7 +164,7 @@ class PoolMap:
         )
         events.axhline(0, color="black", linewidth=0.5)
         events.set(ylabel="sequences")
-        events.yaxis.set_major_locator(MaxNLocator(integer=True))
+        events.yaxis.set_major_locator(MaxNLocator(nbins=3, integer=True))
         events.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{abs(y):g}"))  # preemptions point down
         events.legend(loc="upper right", fontsize=8)
         colors = ListedColormap(list(POOL_STATES.values()))

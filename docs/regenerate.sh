@@ -23,3 +23,10 @@ bench() { name=$1; shift; echo "python bench/$*" > "docs/$name.txt"; python "ben
 bench sampling sampling.py                  # about 8 minutes
 bench prefill_attention prefill_attention.py
 bench compile_step compile_step.py --workloads tiny/mixed,tiny/decode,tiny/prefill,gpt2/mixed,gpt2/decode,gpt2/prefill  # about 20 minutes
+# the block pool over three runs (each a few seconds)
+python generate.py --paged --num-requests 64 --shared-prefix 200 --prompt-len 201:224 --new-tokens 16:32 --seed 1 \
+    --num-blocks 256 --pool-map docs/pool_prefix.png
+python generate.py --paged --num-requests 16 --num-beams 4 --prompt-len 16:64 --new-tokens 64:64 --seed 1 \
+    --pool-map docs/pool_beams.png
+python generate.py --paged --num-requests 64 --prompt-len 8:128 --new-tokens 8:128 --seed 1 --num-blocks 96 \
+    --pool-map docs/pool_pressure.png
