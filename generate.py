@@ -154,14 +154,10 @@ class PoolMap:
         fig, (events, pool) = plt.subplots(
             2, 1, figsize=(12, 6.5), sharex=True, gridspec_kw=dict(height_ratios=[1, 5], hspace=0.05)
         )
-        admitted, preempted = (
-            np.bincount(self.admitted, minlength=len(steps)),
-            np.bincount(self.preempted, minlength=len(steps)),
-        )
-        events.bar(steps, admitted[: len(steps)], width=1.0, color="#55a868", label=f"admitted ({len(self.admitted)})")
-        events.bar(
-            steps, -preempted[: len(steps)], width=1.0, color="#c44e52", label=f"preempted ({len(self.preempted)})"
-        )
+        admitted = np.bincount(self.admitted, minlength=len(steps))  # each happened inside a recorded step
+        preempted = np.bincount(self.preempted, minlength=len(steps))
+        events.bar(steps, admitted, width=1.0, color="#55a868", label=f"admitted ({len(self.admitted)})")
+        events.bar(steps, -preempted, width=1.0, color="#c44e52", label=f"preempted ({len(self.preempted)})")
         events.axhline(0, color="black", linewidth=0.5)
         events.set(ylabel="sequences")
         events.yaxis.set_major_locator(MaxNLocator(nbins=3, integer=True))

@@ -26,6 +26,16 @@ def model():
     return tiny_gpt()
 
 
+@pytest.fixture(scope="session")
+def ckpt(tmp_path_factory):
+    """A float32 tiny_gpt saved as a nanoGPT checkpoint, for the command line's tests."""
+    from test_model import save_nanogpt_ckpt
+
+    path = tmp_path_factory.mktemp("cli") / "ckpt.pt"
+    save_nanogpt_ckpt(tiny_gpt(dtype=torch.float32), path)
+    return str(path)
+
+
 def make_requests(prompts, news, temperature=0.0, top_k=None):
     return [Request(p, n, temperature, top_k, seed=1000 + i) for i, (p, n) in enumerate(zip(prompts, news))]
 

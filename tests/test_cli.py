@@ -14,13 +14,6 @@ from model import GPT, GPTConfig
 from scheduler import PagedEngine, Request
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    path = tmp_path_factory.mktemp("cli") / "ckpt.pt"
-    save_nanogpt_ckpt(tiny_gpt(dtype=torch.float32), path)
-    return str(path)
-
-
 def one_line_error(argv):
     """Run the CLI; it must exit non-zero with one 'error: ...' line and no traceback (any other
     exception would fail the test here)."""

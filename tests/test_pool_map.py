@@ -4,22 +4,12 @@ and preemptions it marks, and the picture it draws, from the Python API and from
 import random
 
 import numpy as np
-import pytest
-import torch
-from conftest import check_invariants, run_engine, tiny_gpt
+from conftest import check_invariants, run_engine
 from test_cli import one_line_error
-from test_model import save_nanogpt_ckpt
 
 import generate
 from generate import CACHED, COPIED, FREE, HELD, SHARED, Meter, PoolMap
 from scheduler import PagedEngine, Request
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    path = tmp_path_factory.mktemp("pool_map") / "ckpt.pt"
-    save_nanogpt_ckpt(tiny_gpt(dtype=torch.float32), path)
-    return str(path)
 
 
 def holders(engine):
