@@ -72,7 +72,8 @@ def run_ours(dtype, prompts, windows):
             logits, _ = model(w[:, :-1])
             total += F.cross_entropy(logits.float().flatten(0, 1), w[:, 1:].reshape(-1), reduction="sum").item()
             count += w[:, 1:].numel()
-    return dict(outputs=[r.generated for r in requests], loss=total / count, windows=len(windows))
+    result = dict(outputs=[r.generated for r in requests], loss=total / count, windows=len(windows))
+    return dict(result, threads=torch.get_num_threads(), version=torch.__version__)
 
 
 def run_vllm(dtype, prompts, windows):
@@ -129,8 +130,9 @@ def main():
         json.dump(dict(prompts=prompts, windows=windows), f)
     engines = {"ours": sys.executable} | ({"vllm": args.vllm_python} if args.vllm_python else {})
     results = {(e, d): launch(python, e, d) for e, python in engines.items() for d in ("float32", "bfloat16")}
-    print(f"$ python bench/bf16_quality.py{' --vllm-python ...' if args.vllm_python else ''}")
-    print(f"{cpu_line()}; {time.strftime('%Y-%m-%d')}")
+    print(f"$ python bench/bf16_quality.py{' --vllm-python VLLM_PYTHON' if args.vllm_python else ''}")
+    ours = results["ours", "float32"]
+    print(f"{cpu_line()}; {time.strftime('%Y-%m-%d')}; ours: torch {ours['version']}, {ours['threads']} threads")
     print(f"the shipped model, {NUM_PROMPTS} held-out prompts of 16-64 tokens, {NEW_TOKENS} greedy tokens each")
     for e in engines:
         share, same = agreement(results[e, "bfloat16"]["outputs"], results[e, "float32"]["outputs"])
