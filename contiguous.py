@@ -1,12 +1,12 @@
 """The contiguous baseline that the paged engine is measured against, token for token and in speed: the
-same Engine (scheduler.py), with each sequence's K/V in tensors of its own, grown by torch.cat."""
+same Engine (engine.py), with each sequence's K/V in tensors of its own, grown by torch.cat."""
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from batch import StepBatch
+from engine import Engine, PlanEntry, SequenceStatus
 from model import attend
-from paged import StepBatch
-from scheduler import Engine
 
 
 class ContiguousBatch(StepBatch):
@@ -15,22 +15,25 @@ class ContiguousBatch(StepBatch):
 
     def __init__(self, plan, samplers, device):
         self.sequences = [s for s, _ in plan]
-        super().__init__(plan, samplers)
-        [self.decode_pos] = self.stage(device, self.kv_lens[: self.num_decode, None] - 1)  # (S, 1)
+        super().__init__(plan, samplers, device)
+
+    def host_tables(self, plan):
+        return dict(decode_pos=self.kv_lens[: self.num_one_token, None] - 1)  # (S, 1): each one's last position
 
     def store(self, layer, k, v):  # k, v: (N, H, D)
         for s, (a, b) in zip(self.sequences, self.spans):
             s.k[layer] = torch.cat([s.k[layer], k[a:b]])
             s.v[layer] = torch.cat([s.v[layer], v[a:b]])
 
-    def attend_decode(self, layer, q):  # q: (S, H, D)
-        decoding = self.sequences[: self.num_decode]
+    def attend_one_token(self, layer, q):  # q: (S, H, D)
+        decoding = self.sequences[: self.num_one_token]
         k = pad_sequence([s.k[layer] for s in decoding], batch_first=True)  # (S, L, H, D)
         v = pad_sequence([s.v[layer] for s in decoding], batch_first=True)
         return attend(q[:, None], k, v, self.decode_pos)[:, 0]
 
-    def chunk_kv(self, layer, i):
-        return self.sequences[i].k[layer][None], self.sequences[i].v[layer][None]
+    def chunk_kv(self, layer, entry):
+        s = self.sequences[entry]
+        return s.k[layer][None], s.v[layer][None]
 
 
 class ContiguousEngine(Engine):
@@ -44,11 +47,14 @@ class ContiguousEngine(Engine):
         super().__init__(model, max_batch, vocab_size, clock)
         if reserve not in ("max", "pow2", "oracle") or (kv_budget is not None and kv_budget < 1):
             raise ValueError(f"reserve {reserve!r} must be max, pow2 or oracle, and kv_budget {kv_budget} at least 1")
-        self.kv_budget, self.reserve, self.reserved = kv_budget, reserve, 0
+        self.kv_budget = kv_budget
+        self.reserve = reserve
+        self.reserved = 0  # token slots reserved by the running sequences
 
     def reservation(self, r):
         need = len(r.prompt) + r.max_new_tokens
-        return min(self.window, dict(max=self.window, pow2=1 << (need - 1).bit_length(), oracle=need)[self.reserve])
+        slots = dict(max=self.window, pow2=1 << (need - 1).bit_length(), oracle=need)
+        return min(self.window, slots[self.reserve])
 
     def check(self, r):
         super().check(r)
@@ -59,25 +65,29 @@ class ContiguousEngine(Engine):
             )
 
     def schedule(self):  # a request reserves for all the sequences it will fork into
-        c, dtype = self.model.config, self.model.lm_head.weight.dtype
+        c = self.model.config
         while self.waiting and sum(s.num_rows() for s in self.running + [self.waiting[0]]) <= self.max_batch:
             s = self.waiting[0]
             need = self.reservation(s.request) * s.num_rows()
             if self.kv_budget is not None and self.reserved + need > self.kv_budget:
                 break
             self.reserved += need
+            dtype = self.model.lm_head.weight.dtype
             empty = torch.empty(0, c.n_head, c.n_embd // c.n_head, device=self.device, dtype=dtype)
-            s.k, s.v = [empty] * c.n_layer, [empty] * c.n_layer
+            s.k = [empty] * c.n_layer  # one tensor per layer, (L, H, D)
+            s.v = [empty] * c.n_layer
             self.start(self.waiting.popleft())
-        return [(s, len(s.tokens) - s.num_computed) for s in self.running]
+        return [PlanEntry(s, s.num_uncomputed()) for s in self.running]
 
     def make_batch(self, plan, samplers):
         return ContiguousBatch(plan, samplers, self.device)
 
     def fork_kv(self, parent, child):  # torch.cat makes a new tensor on every append: sharing the old ones is safe
-        child.k, child.v, child.num_computed = list(parent.k), list(parent.v), parent.num_computed
+        child.k = list(parent.k)
+        child.v = list(parent.v)
+        child.num_computed = parent.num_computed
 
     def release(self, s):
         s.k = s.v = None
-        if s.status != "dead":  # a dead beam's reservation passes to the fork that replaces it
+        if s.status is not SequenceStatus.DEAD:  # a dead beam's reservation passes to the fork that replaces it
             self.reserved -= self.reservation(s.request)

@@ -12,446 +12,28 @@ import argparse
 import json
 import math
 import os
-import random
 import sys
-import threading
-import time
 from types import SimpleNamespace
 
-import numpy as np
 import torch
 
-from contiguous import ContiguousEngine
-from scheduler import PagedEngine, Request, blocks_for
-from train_tiny import HelpFormatter, export_hf, get_tokenizer, load_checkpoint, shakespeare
-
-SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models", "tiny-shakespeare.pt")
-
-
-class Meter:
-    """What the experiments read of an engine, recorded from outside it (the engine keeps no measurements):
-    each step's seconds (plan to sampled tokens), running sequences, keys attended and KV slots; prefill
-    tokens; admitted and prefix-cached tokens; preemptions. It wraps four of the engine's methods."""
-
-    def __init__(self, engine):
-        self.engine, self.steps, self.step_start = engine, [], None
-        self.prefill_tokens = self.admitted_tokens = self.cached_tokens = self.num_preemptions = 0
-        schedule, sample = engine.schedule, engine.sample
-        admit, preempt = getattr(engine, "admit", None), getattr(engine, "preempt", None)
-
-        def planned():
-            plan = schedule()
-            self.step_start = engine.clock.now()
-            self.prefill_tokens += sum(n for s, n in plan if s.status == "prefilling")
-            self.plan = plan
-            return plan
-
-        def sampled(*args):
-            tokens = sample(*args)
-            keys = sum(s.num_computed for s, _ in self.plan)
-            seconds = engine.clock.now() - self.step_start
-            self.steps.append(dict(seconds=seconds, running=len(engine.running), keys=keys, **kv_slots(engine)))
-            return tokens
-
-        def admitted(s):
-            group = admit(s)
-            self.admitted_tokens += sum(len(x.tokens) for x in group)
-            self.cached_tokens += sum(x.num_computed for x in group)
-            return group
-
-        def preempted(s):
-            self.num_preemptions += 1
-            preempt(s)
-
-        engine.schedule, engine.sample = planned, sampled
-        if admit:
-            engine.admit, engine.preempt = admitted, preempted
+from checkpoints import SHIPPED, export_hf, get_tokenizer, load_checkpoint
+from engine import Request, RequestStatus
+from metrics import LABELS, returned, table
+from model import prepack
+from plots import PoolMap, plot
+from serving import make_engine, make_requests, serve, warm_up, workload
 
 
-def kv_slots(engine):
-    """KV token slots: allocated, holding a token's K/V (once, however many sequences share it), and
-    allocated ahead of the tokens to come (a paged prompt's blocks, a contiguous reservation)."""
-    used = sum(s.num_computed for s in engine.running)
-    if isinstance(engine, ContiguousEngine):  # unbudgeted, torch.cat holds just the tokens
-        allocated = used if engine.kv_budget is None else engine.reserved
-        return dict(allocated=allocated, used=used, ahead=allocated - used)
-    bs, full, partial = engine.block_size, set(), {}
-    for s in engine.running:  # a shared block is full, or the shared last block of forks that have not written
-        k, n = divmod(s.num_computed, bs)
-        full.update(s.block_table[:k])
-        partial.update({s.block_table[k]: n} if n else {})
-    used = len(full) * bs + sum(n for block, n in partial.items() if block not in full)
-    allocated = (engine.allocator.num_blocks - engine.allocator.num_free()) * bs
-    ahead = sum(len(s.block_table) - blocks_for(s.num_computed, bs) for s in engine.running) * bs
-    return dict(allocated=allocated, used=used, ahead=ahead)
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """--help keeps the docstring's lines and shows every flag's default, unless its help already says it."""
 
-
-POOL_STATES = {  # a block's state after a step, its color in the picture
-    "free": "#f4f4f4",
-    "held by one sequence": "#4c72b0",
-    "shared (reference count > 1)": "#dd8452",
-    "cached, free (a prefix hit can revive it)": "#8fd18f",
-    "copied on write this step": "#c44e52",
-}
-FREE, HELD, SHARED, CACHED, COPIED = range(len(POOL_STATES))
-
-
-class PoolMap:
-    """The block pool over a run, recorded from outside the paged engine as Meter is: after every step, each
-    block's state, and the steps at which sequences were admitted and preempted. It wraps the engine's step,
-    admit, preempt and reserve_slot; draw() makes the picture: one row per block, one column per step.
-
-        pool_map = PoolMap(engine); engine.run(requests); pool_map.draw("pool.png")"""
-
-    def __init__(self, engine):
-        self.engine, self.states, self.admitted, self.preempted, self.copied = engine, [], [], [], []
-        step, admit, preempt, reserve_slot = engine.step, engine.admit, engine.preempt, engine.reserve_slot
-
-        def stepped():
-            result = step()
-            self.record()
-            return result
-
-        def admitted(s):
-            group = admit(s)
-            self.admitted += [len(self.states)] * len(group)
-            return group
-
-        def preempted(s):
-            self.preempted.append(len(self.states))
-            preempt(s)
-
-        def reserved(s):  # a copy on write replaces a block of s's table in place
-            before = list(s.block_table)
-            reserve_slot(s)
-            if len(s.block_table) == len(before):
-                self.copied += [new for old, new in zip(before, s.block_table) if old != new]
-
-        engine.step, engine.admit, engine.preempt, engine.reserve_slot = stepped, admitted, preempted, reserved
-
-    def record(self):
-        allocator = self.engine.allocator
-        ref_count = np.array(allocator.ref_count)
-        states = np.where(ref_count > 1, SHARED, np.where(ref_count == 1, HELD, FREE)).astype(np.int8)
-        states[list(allocator.cached)] = CACHED
-        # a copy is held by the sequence that made it, and by its forks if a beam step forked it; a beam that
-        # died in the step let go of its copy
-        states[[block for block in self.copied if ref_count[block] > 0]] = COPIED
-        self.states.append(states)
-        self.copied = []
-
-    def draw(self, path, title=""):
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.colors import ListedColormap
-        from matplotlib.patches import Patch
-        from matplotlib.ticker import FuncFormatter, MaxNLocator
-
-        grid = np.stack(self.states, axis=1)  # (num_blocks, steps)
-        steps = np.arange(grid.shape[1])
-        fig, (events, pool) = plt.subplots(
-            2, 1, figsize=(12, 6.5), sharex=True, gridspec_kw=dict(height_ratios=[1, 5], hspace=0.05)
-        )
-        admitted = np.bincount(self.admitted, minlength=len(steps))  # each happened inside a recorded step
-        preempted = np.bincount(self.preempted, minlength=len(steps))
-        events.bar(steps, admitted, width=1.0, color="#55a868", label=f"admitted ({len(self.admitted)})")
-        events.bar(steps, -preempted, width=1.0, color="#c44e52", label=f"preempted ({len(self.preempted)})")
-        events.axhline(0, color="black", linewidth=0.5)
-        events.set(ylabel="sequences")
-        events.yaxis.set_major_locator(MaxNLocator(nbins=3, integer=True))
-        events.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{abs(y):g}"))  # preemptions point down
-        events.legend(loc="upper right", fontsize=8)
-        colors = ListedColormap(list(POOL_STATES.values()))
-        pool.imshow(grid, cmap=colors, vmin=-0.5, vmax=len(POOL_STATES) - 0.5, aspect="auto", interpolation="nearest")
-        pool.set(xlabel="step", ylabel="block")
-        patches = [Patch(color=c, label=name) for name, c in POOL_STATES.items()]
-        pool.legend(handles=patches, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3, fontsize=8)
-        events.set_title(title or f"the block pool: {grid.shape[0]} blocks over {grid.shape[1]} steps")
-        fig.savefig(path, dpi=110, bbox_inches="tight")
-        plt.close(fig)
-
-
-LABELS = {
-    "contiguous": "contiguous",
-    "contiguous_max": "contiguous, reserve max",
-    "paged": "paged",
-    "contiguous_pow2": "contiguous, reserve pow2",
-    "contiguous_oracle": "contiguous, reserve oracle",
-    "paged_prefix": "paged + prefix cache",
-}
-TABLE_KEYS = [
-    "same_output_pct",
-    "output_tokens",
-    "wall_s",
-    "output_tok_s",
-    "ttft_ms_mean",
-    "ttft_ms_p90",
-    "ttft_ms_p99",
-    "tpot_ms_mean",
-    "latency_ms_mean",
-    "latency_ms_p50",
-    "latency_ms_p90",
-    "latency_ms_p99",
-    "normalized_latency_ms",
-    "request_rate",
-    "steps",
-    "prefill_tokens",
-    "prefix_hit_rate",
-    "preemptions",
-    "running_peak",
-    "running_mean",
-    "kv_budget_slots",
-    "kv_used_pct_mean",
-    "kv_slots_allocated_peak",
-    "kv_slots_used_peak",
-    "kv_waste_pct",
-    "kv_ahead_pct",
-    "num_blocks",
-    "block_size",
-]
-
-
-def percentile(values, p):
-    """Linear interpolation between closest ranks (numpy's default; Hyndman and Fan's type 7), used for
-    every percentile here: with two values, p90 lies 90% of the way from the smaller to the larger."""
-    return float(np.percentile(values, p)) if values else None
-
-
-def mean(values):
-    values = list(values)
-    return sum(values) / len(values) if values else None
-
-
-def metrics(meter, wall_s, rate, kv_budget):
-    engine, reqs, stats = meter.engine, meter.engine.finished, meter.steps
-    out = sum(len(s.generated) for r in reqs for s in returned(r))
-    ttft = [(r.first_token_at - r.arrival) * 1000 for r in reqs]
-    latency = [(r.done_at - r.arrival) * 1000 for r in reqs]  # end to end, from arrival to the last token
-    tpot = [(r.done_at - r.first_token_at) * 1000 / (len(r.generated) - 1) for r in reqs if len(r.generated) > 1]
-    peak = max(stats, key=lambda s: s["allocated"])
-    m = dict(
-        output_tokens=out,
-        wall_s=wall_s,
-        output_tok_s=out / wall_s,
-        ttft_ms_mean=mean(ttft),
-        ttft_ms_p90=percentile(ttft, 90),
-        ttft_ms_p99=percentile(ttft, 99),
-        tpot_ms_mean=mean(tpot),  # None (not applicable) when no request made a second token
-        latency_ms_mean=mean(latency),
-        latency_ms_p50=percentile(latency, 50),
-        latency_ms_p90=percentile(latency, 90),
-        latency_ms_p99=percentile(latency, 99),
-        normalized_latency_ms=mean(t / len(r.generated) for t, r in zip(latency, reqs)),
-        request_rate=rate,
-        steps=len(stats),
-        prefill_tokens=meter.prefill_tokens,
-        preemptions=meter.num_preemptions,
-        running_peak=max(s["running"] for s in stats),
-        running_mean=mean(s["running"] for s in stats),
-        kv_budget_slots=kv_budget,
-        kv_used_pct_mean=100 * mean(s["used"] / (kv_budget or max(1, s["allocated"])) for s in stats),
-        kv_slots_allocated_peak=peak["allocated"],
-        kv_slots_used_peak=peak["used"],
-        # at peak allocation: unfilled tails of last blocks (fragmentation), and blocks held ahead of prefill
-        kv_waste_pct=100 * (peak["allocated"] - peak["used"] - peak["ahead"]) / max(1, peak["allocated"]),
-        kv_ahead_pct=100 * peak["ahead"] / max(1, peak["allocated"]),
-        prefix_hit_rate=None,
-    )
-    if isinstance(engine, PagedEngine):
-        m.update(
-            num_blocks=engine.allocator.num_blocks,
-            block_size=engine.block_size,
-            prefix_hit_rate=meter.cached_tokens / max(1, meter.admitted_tokens),
-        )
-    return m
-
-
-def cell(v):
-    if v is None:
-        return "—"
-    if isinstance(v, int) or math.isinf(v):
-        return f"{v:,}"
-    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:,.2f}"
-
-
-def table(runs):
-    """One column per run, then each run's speed relative to the first."""
-    names = list(runs)
-    width = max(len(LABELS[n]) for n in names) + 2
-    rows = [f"{'metric':<24}" + "".join(f"{LABELS[n]:>{width}}" for n in names)]
-    rows += [f"{k:<24}" + "".join(f"{cell(runs[n].get(k)):>{width}}" for n in names) for k in TABLE_KEYS]
-    first = runs[names[0]]["output_tok_s"]
-    rows += (
-        [
-            f"output tok/s relative to {LABELS[names[0]]}: "
-            + ", ".join(f"{LABELS[n]} {runs[n]['output_tok_s'] / first:.2f}x" for n in names[1:])
-        ]
-        if len(names) > 1
-        else []
-    )
-    return "\n".join(rows)
+    def _get_help_string(self, action):
+        return action.help if "(default:" in action.help else super()._get_help_string(action)
 
 
 def fail(message):
     sys.exit(f"error: {message}")
-
-
-def workload(enc, args):
-    """Prompts cut from the held-out plays, seeded; each request generates exactly its drawn count."""
-    rng = random.Random(args.seed)
-    val = enc.encode_ordinary(shakespeare()[1])
-    (lo, hi), shared = args.prompt_len, args.shared_prefix
-    if shared >= hi:
-        fail(
-            f"--shared-prefix {shared} must be shorter than the --prompt-len maximum {hi}: every prompt has a token of its own"
-        )
-    if shared + hi >= len(val):
-        fail(
-            f"--shared-prefix {shared} + --prompt-len maximum {hi} do not fit in the {len(val):,} tokens of held-out text"
-        )
-    prompts, news = [], []
-    for _ in range(args.num_requests):
-        start = rng.randrange(shared, len(val) - hi)
-        prompts.append(val[:shared] + val[start : start + max(1, rng.randint(lo, hi) - shared)])
-        news.append(rng.randint(*args.new_tokens))
-    return prompts, news
-
-
-def arrivals(n, rate, seed):
-    """Poisson arrivals, in seconds from the start: exponential gaps, seeded. Rate inf: all at 0."""
-    rng, t, times = random.Random(seed), 0.0, []
-    for _ in range(n):
-        t += 0.0 if math.isinf(rate) else rng.expovariate(rate)
-        times.append(t)
-    return times
-
-
-def make_engine(model, kind, args, prompts, news, vocab_size):
-    if kind.startswith("contiguous"):
-        return ContiguousEngine(model, args.max_batch, vocab_size, args.kv_budget, kind.partition("_")[2] or "max")
-    num_blocks = args.kv_budget // args.block_size if args.kv_budget else args.num_blocks
-    if not num_blocks:  # default: a pool that holds every sequence at once
-        width = max(args.num_samples, args.num_beams)
-        num_blocks = sum(blocks_for(len(p) + n - 1, args.block_size) for p, n in zip(prompts, news)) * width
-    return PagedEngine(
-        model,
-        num_blocks,
-        args.block_size,
-        args.token_budget,
-        args.max_batch,
-        kind == "paged_prefix",
-        args.compile,
-        vocab_size=vocab_size,
-    )
-
-
-def warm_up(engine, num_sequences):
-    """Compile the paged engine's decode attention before anything is timed, if its steps will use it,
-    with a line that counts the seconds: the first compile on a machine takes ~20 s on a CPU, and
-    inductor's on-disk cache (under /tmp/torchinductor_$USER) brings later ones to a few seconds. It
-    serves one-token prompts through `engine`, which is then spent: time a fresh one."""
-    if (
-        not isinstance(engine, PagedEngine)
-        or engine.compile == "off"
-        or min(engine.max_running, num_sequences) < engine.compile_from
-    ):
-        return
-    what = f"compiling decode attention (torch.compile, {engine.device.type}, {engine.k_pool.dtype})"
-    start, done = time.time(), threading.Event()
-
-    def tick():  # on a terminal, the seconds so far on one line
-        while not done.wait(1.0):
-            print(f"\r{what}: {time.time() - start:.0f} s", end="", flush=True)
-
-    if not sys.stdout.isatty():
-        print(f"{what} ...", flush=True)
-    ticker = threading.Thread(target=tick, daemon=True)
-    if sys.stdout.isatty():
-        ticker.start()
-    engine.run([Request([0], 1) for _ in range(max(2, engine.compile_from))])  # one step of one-token rows
-    done.set()
-    print(f"\r{what}: done in {time.time() - start:.1f} s", flush=True)
-
-
-def make_requests(args, prompts, news):
-    return [
-        Request(
-            p,
-            n,
-            args.temperature,
-            args.top_k,
-            seed=args.seed + i * args.num_samples,
-            n=args.num_samples,
-            num_beams=args.num_beams,
-            length_penalty=args.length_penalty,
-            eos=args.eos,
-        )
-        for i, (p, n) in enumerate(zip(prompts, news))
-    ]
-
-
-def arrive(engine, requests, times):
-    """Add each request to the engine at its arrival (clock seconds) and step it until all are done; an
-    idle engine sleeps until the next arrival. Yields after every step."""
-    pending = sorted(zip(times, range(len(requests))))[::-1]  # the next arrival last
-    while pending or engine.waiting or engine.running:
-        while pending and pending[-1][0] <= engine.clock.now():
-            at, i = pending.pop()
-            engine.add(requests[i], at)
-        if engine.waiting or engine.running:
-            engine.step()
-            yield
-        else:
-            engine.clock.sleep(max(0.0, pending[-1][0] - engine.clock.now()))
-
-
-def serve(engine, requests, args, rate):
-    """Run one engine over the requests, arriving at `rate` -> its metrics and its steps."""
-    meter, start = Meter(engine), engine.clock.now()
-    for _ in arrive(engine, requests, [start + t for t in arrivals(len(requests), rate, args.seed)]):
-        pass
-    wall_s = engine.clock.now() - start  # every step ends in a host transfer
-    return metrics(meter, wall_s, rate, args.kv_budget), meter.steps
-
-
-def plot(all_stats, sweep, path, title):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    if sweep:  # the rate sweep: the paper's Fig. 12 (latency) and Fig. 13 (batch size) axes
-        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-        for name in sweep[0]["runs"]:
-            rates = [point["request_rate"] for point in sweep]
-            axes[0].plot(
-                rates, [point["runs"][name]["normalized_latency_ms"] for point in sweep], "o-", label=LABELS[name]
-            )
-            axes[1].plot(rates, [point["runs"][name]["running_mean"] for point in sweep], "o-", label=LABELS[name])
-        panels = [
-            ("normalized latency", "request rate (req/s)", "ms per output token"),
-            ("mean batch size", "request rate (req/s)", "requests running at once"),
-        ]
-    else:
-        fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-        for name, stats in all_stats.items():
-            axes[0].plot([s["allocated"] for s in stats], label=LABELS[name])
-            axes[1].plot([s["running"] for s in stats], label=LABELS[name])
-            axes[2].scatter([s["keys"] for s in stats], [1000 * s["seconds"] for s in stats], s=6, label=LABELS[name])
-        axes[2].set_yscale("log")  # a whole-batch prefill step would flatten the rest
-        panels = [
-            ("KV slots allocated", "step", "slots"),
-            ("running requests", "step", "requests"),
-            ("step time vs context in batch", "keys attended in the step", "ms"),
-        ]
-    for ax, (name, x, y) in zip(axes, panels):
-        ax.set(title=name, xlabel=x, ylabel=y)
-        ax.legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 def number_type(least=None, above=None, kind=int, allow_inf=False):
@@ -618,24 +200,41 @@ def parse_args(argv=None):
         fail("--max-new-tokens is for your own prompts; a --num-requests workload draws --new-tokens MIN:MAX")
     args.max_new_tokens = args.max_new_tokens or 100
     args.num_requests = args.num_requests or (64 if workload_run else None)
-    images = [("--plot", args.plot), ("--pool-map", args.pool_map)]
-    for flag, path in [("--json", args.json)] + images:  # fail now, not after the whole run
-        folder = os.path.dirname(os.path.abspath(path)) if path else None
-        if path and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
-            fail(f"{flag} {path}: the folder {folder} does not exist or is not writable")
-    for flag, path in images:
-        from matplotlib.backend_bases import FigureCanvasBase
-
-        kinds = FigureCanvasBase.get_supported_filetypes()
-        if path and os.path.splitext(path)[1][1:].lower() not in kinds:
-            fail(f"{flag} {path}: the file name must end in one of .{', .'.join(sorted(kinds))}")
+    for flag, path in [("--plot", args.plot), ("--pool-map", args.pool_map)]:
+        if path:
+            check_image_name(flag, path)
+    for flag, path in [("--json", args.json), ("--plot", args.plot), ("--pool-map", args.pool_map)]:
+        if path:
+            prepare_output(flag, path)
     return args
+
+
+def check_image_name(flag, path):
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    if os.path.splitext(path)[1][1:].lower() not in kinds:
+        fail(f"{flag} {path}: the file name must end in one of .{', .'.join(sorted(kinds))}")
+
+
+def prepare_output(flag, path):
+    """Make the folder that `path` will be written to, if missing, or fail in one line: now, not after the run."""
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        fail(f"{flag} {path}: cannot make the folder {folder}: {e.strerror}")
+    if not os.access(folder, os.W_OK):
+        fail(f"{flag} {path}: the folder {folder} is not writable")
 
 
 def read_prompts(args, enc):
     """The prompts as (texts, token lists, new-token counts), or exit with a one-line error."""
     if args.num_requests:
-        prompts, news = workload(enc, args)
+        try:
+            prompts, news = workload(enc, args)
+        except ValueError as e:
+            fail(e)
         return [enc.decode(p) for p in prompts], prompts, news
     texts = list(args.prompt or [])
     if args.prompts:
@@ -653,11 +252,6 @@ def read_prompts(args, enc):
     return texts, prompts, [args.max_new_tokens] * len(prompts)
 
 
-def returned(r):
-    """What a request gives back: its n samples, or its one sequence (the best beam; the JSON lists all)."""
-    return r.sequences if r.n > 1 else r.sequences[:1]
-
-
 def outputs(r):
     return [s.generated for s in returned(r)]
 
@@ -665,7 +259,7 @@ def outputs(r):
 def request_json(texts, requests, enc):
     done = []
     for i, r in enumerate(requests):
-        if r.status != "done":
+        if r.status is not RequestStatus.DONE:
             continue
         done.append(
             {
@@ -690,11 +284,14 @@ def request_json(texts, requests, enc):
 
 
 def load_model(args):
+    """The checkpoint in --dtype, its linears prepacked for oneDNN on a CPU, and its tokenizer."""
     try:
         model = load_checkpoint(args.ckpt, args.device).to(getattr(torch, args.dtype))
-        return model, get_tokenizer(model.config.vocab_size)
+        enc = get_tokenizer(model.config.vocab_size)
     except ValueError as e:
         fail(e)
+    prepack(model)
+    return model, enc
 
 
 def choose_designs(args):

@@ -1,5 +1,4 @@
-"""A GPT in nanoGPT's shape and checkpoint format, and how the engine samples from its logits. Training
-attends causally over (B, T) blocks. Inference takes one flat batch of new tokens of many sequences; their
+"""A GPT in nanoGPT's shape and checkpoint format. Training attends causally over (B, T) blocks. Inference takes one flat batch of new tokens of many sequences; their
 earlier K/V live wherever the step's batch keeps them, unseen by the model: it asks the batch to attend."""
 
 import math
@@ -33,26 +32,33 @@ def attend(q, k, v, q_pos):
 class Linear(nn.Linear):
     """nn.Linear that multiplies by a copy of its weight prepacked for oneDNN, once prepack() made one."""
 
-    packed = None  # (the packed weight, the weight's version it copies): a weight changed since is not used
+    packed_weight = None
+    packed_version = None  # the weight's version the packed copy was made from: a weight changed since is not used
 
     def _apply(self, fn, *args):  # .to(), .double(), ... make a new weight: the copy is stale
-        self.packed = None
+        self.packed_weight = None
         return super()._apply(fn, *args)
 
+    def is_packed(self):
+        return self.packed_weight is not None and self.packed_version == self.weight._version
+
     def forward(self, x):
-        if self.packed is None or self.packed[1] != self.weight._version or torch.is_grad_enabled():
+        if not self.is_packed() or torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed[0], self.bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
 def prepack(model):
     """For inference on a CPU: each linear weight reordered once into oneDNN's blocked layout, as inductor's
     freezing does; eager F.linear pays that reorder on every call. float32 always; bfloat16 where oneDNN has
     bf16 kernels (AVX512-BF16 or AMX), as the GEMMs a bf16 step spends most of its time in."""
-    dtypes = [torch.float32] + [torch.bfloat16] * torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    for m in [m for m in model.modules() if isinstance(m, Linear) and m.weight.device.type == "cpu"]:
-        if m.weight.dtype in dtypes and (m.packed is None or m.packed[1] != m.weight._version):
-            m.packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), None), m.weight._version
+    dtypes = [torch.float32]
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        dtypes.append(torch.bfloat16)
+    for m in model.modules():
+        if isinstance(m, Linear) and m.weight.device.type == "cpu" and m.weight.dtype in dtypes and not m.is_packed():
+            m.packed_weight = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), None)
+            m.packed_version = m.weight._version
 
 
 class CausalSelfAttention(nn.Module):
@@ -62,7 +68,9 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
-        self.n_head, self.n_embd, self.dropout = config.n_head, config.n_embd, config.dropout
+        self.n_head = config.n_head
+        self.n_embd = config.n_embd
+        self.dropout = config.dropout
 
     def forward(self, x, batch=None, layer=0):
         q, k, v = self.c_attn(x).split(self.n_embd, dim=-1)
@@ -89,7 +97,8 @@ class MLP(nn.Module):
         self.gelu = "none" if config.gelu == "exact" else config.gelu  # F.gelu's names for erf and tanh
 
     def forward(self, x):
-        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate=self.gelu)))
+        x = F.gelu(self.c_fc(x), approximate=self.gelu)
+        return self.dropout(self.c_proj(x))
 
 
 class Block(nn.Module):
@@ -128,10 +137,11 @@ class GPT(nn.Module):
                 nn.init.zeros_(p)
 
     def forward(self, idx, targets=None, batch=None):
-        """Training: idx (B, T) -> logits (B, T, V), loss. Inference: idx (N,), batch: a StepBatch (paged.py)
+        """Training: idx (B, T) -> logits (B, T, V), loss. Inference: idx (N,), batch: a StepBatch (batch.py)
         -> logits (S, V), one row for each sequence whose next token is due."""
         pos = torch.arange(idx.size(-1), device=idx.device) if batch is None else batch.positions
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        x = self.transformer.drop(x)
         for layer, block in enumerate(self.transformer.h):
             x = block(x, batch, layer)
         x = self.transformer.ln_f(x)
@@ -140,55 +150,5 @@ class GPT(nn.Module):
         logits = self.lm_head(x)
         if targets is None:
             return logits, None
-        return logits, F.cross_entropy(logits.flatten(0, -2), targets.reshape(-1), ignore_index=-1)
-
-
-# Sampling: every row draws from a hash of (seed, position), on the logits' device, with no host sync.
-
-
-def mix32(x):
-    """A 32-bit integer hash (hash-prospector's lowbias32, second constants) in int64 tensor ops: both
-    multipliers are below 2**31, so no product of a 32-bit x overflows, on any device."""
-    x = ((x ^ (x >> 16)) * 0x21F0AAAD) & 0xFFFFFFFF
-    x = ((x ^ (x >> 15)) * 0x735A2D97) & 0xFFFFFFFF
-    return x ^ (x >> 15)
-
-
-def uniform(seed, position):
-    """seed, position: (R,) int64 -> (R,) floats in [0, 1), a hash of (seed, position): no generator state,
-    so a sequence's draw at position p is the same whatever runs beside it or ran before."""
-    x = mix32((mix32(seed & 0xFFFFFFFF) + position) & 0xFFFFFFFF)
-    return (x >> 8).float() / (1 << 24)  # 24 bits, each value exact in float32
-
-
-def argmax(logits):  # (R, V) -> (R,)
-    # NOTE: on a CPU numpy's argmax is several times faster than torch's (docs/floor_and_sampling.md); numpy has no bf16
-    if logits.device.type == "cpu" and logits.dtype != torch.bfloat16:
-        return torch.from_numpy(logits.numpy().argmax(-1))
-    return logits.argmax(-1)
-
-
-def invert_cdf(candidates, temperature, u):
-    """candidates (R, C), temperature, u: (R,) -> (R, 1): the column whose softmax CDF first passes u."""
-    # the max is subtracted before dividing, so a tiny temperature tends to greedy instead of overflowing
-    cdf = ((candidates - candidates.max(-1, keepdim=True).values) / temperature[:, None]).softmax(-1).cumsum(-1)
-    return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp(max=cdf.size(1) - 1)
-
-
-def sample(logits, temperature, top_k, seed, position, max_top_k=0, uncut=True):
-    """logits (R, V); temperature, top_k (0: keep every id), seed, position: (R,) -> (R,) token ids. Greedy
-    rows (temperature 0) take the argmax; the others sample at uniform(seed, position) among their own top_k
-    best, sorted, or every id. max_top_k: the largest top_k of a sampled row (0: none cuts); uncut: whether
-    some sampled row keeps every id."""
-    tokens = argmax(logits)
-    if not (uncut or max_top_k):  # every row greedy
-        return tokens
-    hot = temperature > 0
-    temperature, u = torch.where(hot, temperature, 1.0), uniform(seed, position)
-    if uncut:
-        tokens = torch.where(hot & (top_k == 0), invert_cdf(logits.float(), temperature, u)[:, 0], tokens)
-    if max_top_k:  # (R, K): the K best, sorted, so a row's own top_k is a prefix
-        values, ids = logits.float().topk(max_top_k)
-        values = values.masked_fill(torch.arange(max_top_k, device=logits.device) >= top_k[:, None], float("-inf"))
-        tokens = torch.where(hot & (top_k > 0), ids.gather(1, invert_cdf(values, temperature, u))[:, 0], tokens)
-    return tokens
+        loss = F.cross_entropy(logits.flatten(0, -2), targets.reshape(-1), ignore_index=-1)
+        return logits, loss

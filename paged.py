@@ -1,14 +1,24 @@
-"""The paged KV cache: the block allocator, write and gather on the pool, and the step batches a forward
-reads and writes through. The pool, k and v: (n_layer, num_blocks + 1, block_size, n_head, head_size), is
-block-major: a gather copies whole blocks; (layer, head)'s own pool is k[layer, :, :, head]. Position p
-of a sequence lives in slot block_table[p // block_size] * block_size + p % block_size of k[layer]."""
+"""The paged KV cache: the block allocator with its prefix cache, the pool, write and gather on it, and the
+step batch that reads and writes through it. The pool, k and v: (n_layer, num_blocks + 1, block_size, n_head,
+head_size), is block-major: a gather copies whole blocks; (layer, head)'s own pool is k[layer, :, :, head].
+Position p of a sequence lives in slot block_table[p // block_size] * block_size + p % block_size of k[layer]."""
 
+import functools
+import hashlib
+from array import array
 from collections import OrderedDict
 
 import torch
 import torch.nn.functional as F
 
+from batch import StepBatch
 from model import attend
+
+MIN_COMPILED_SIZE = 2  # a size of 1 would specialize the compiled graph: smaller tables are padded to 2
+
+
+def blocks_for(num_tokens, block_size):
+    return -(-num_tokens // block_size)
 
 
 class BlockAllocator:
@@ -17,17 +27,18 @@ class BlockAllocator:
     recently released first, only when no clean block is left.
     NOTE: the pool's last block, padding_block, is never handed out: padded rows read and write it harmlessly."""
 
-    def __init__(self, num_blocks):
+    def __init__(self, num_blocks, block_size):
         self.num_blocks = num_blocks
+        self.block_size = block_size
         self.padding_block = num_blocks
         self.clean = list(range(num_blocks - 1, -1, -1))  # a stack: block 0 goes out first
-        self.cached = OrderedDict()  # free blocks still holding cached K/V, oldest release first
+        self.cached_free = OrderedDict()  # free blocks still holding hashed K/V, oldest release first
         self.ref_count = [0] * num_blocks
         self.hash_of = {}  # block -> hash of its content, prefix included
-        self.cache = {}  # hash -> (block, its token ids): the prefix cache
+        self.by_hash = {}  # hash -> (block, its token ids): the prefix cache
 
     def num_free(self):
-        return len(self.clean) + len(self.cached)
+        return len(self.clean) + len(self.cached_free)
 
     def can_allocate(self, n):
         return n <= self.num_free()
@@ -37,8 +48,8 @@ class BlockAllocator:
             raise RuntimeError(f"KV pool exhausted: {n} blocks asked, {self.num_free()} of {self.num_blocks} free")
         blocks = [self.clean.pop() for _ in range(min(n, len(self.clean)))]
         while len(blocks) < n:  # no clean block left: evict the least recently released cached one
-            block, _ = self.cached.popitem(last=False)
-            del self.cache[self.hash_of.pop(block)]
+            block, _ = self.cached_free.popitem(last=False)
+            del self.by_hash[self.hash_of.pop(block)]
             blocks.append(block)
         for block in blocks:
             self.ref_count[block] = 1
@@ -51,7 +62,7 @@ class BlockAllocator:
             if self.ref_count[block] > 0:
                 continue
             if block in self.hash_of:
-                self.cached[block] = None
+                self.cached_free[block] = None
             else:
                 self.clean.append(block)
 
@@ -60,18 +71,61 @@ class BlockAllocator:
 
     def share(self, block):
         if self.ref_count[block] == 0:
-            del self.cached[block]
+            del self.cached_free[block]
         self.ref_count[block] += 1
+
+    # The prefix cache: a full block is found by the hash of its tokens and of every token before it.
+
+    def block_tokens(self, s, k):
+        return tuple(s.tokens[k * self.block_size : (k + 1) * self.block_size])
+
+    def block_hash(self, s, k):
+        """Chained: block k's hash covers block k-1's, so a hit on block k means blocks 0..k all match.
+        Computed once per block, into s.block_hashes."""
+        while len(s.block_hashes) <= k:
+            parent = s.block_hashes[-1] if s.block_hashes else b""
+            tokens = array("q", self.block_tokens(s, len(s.block_hashes))).tobytes()
+            s.block_hashes.append(hashlib.blake2b(parent + tokens, digest_size=16).digest())
+        return s.block_hashes[k]
 
     def lookup(self, block_hash, tokens):
         """The cached block with this hash, if it really holds these tokens: a collision never hits."""
-        hit = self.cache.get(block_hash)
+        hit = self.by_hash.get(block_hash)
         return hit[0] if hit is not None and hit[1] == tokens else None
 
     def register(self, block, block_hash, tokens):
-        if block_hash not in self.cache and block not in self.hash_of:
-            self.cache[block_hash] = (block, tokens)
+        if block_hash not in self.by_hash and block not in self.hash_of:
+            self.by_hash[block_hash] = (block, tokens)
             self.hash_of[block] = block_hash
+
+    def cached_prefix(self, s):
+        """The cached full blocks heading s's tokens; the last token is always computed: its logits start generation."""
+        hits = []
+        for k in range((len(s.tokens) - 1) // self.block_size):
+            block = self.lookup(self.block_hash(s, k), self.block_tokens(s, k))
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def register_filled(self, s, num_before):
+        """Enter the blocks of s that filled since it had num_before tokens computed into the prefix cache."""
+        for k in range(num_before // self.block_size, s.num_computed // self.block_size):
+            self.register(s.block_table[k], self.block_hash(s, k), self.block_tokens(s, k))
+
+
+def allocate_pool(config, num_blocks, block_size, device, dtype):
+    """k_pool, v_pool: (n_layer, num_blocks + 1, block_size, n_head, head_size), the last block padding's."""
+    head_size = config.n_embd // config.n_head
+    shape = (config.n_layer, num_blocks + 1, block_size, config.n_head, head_size)
+    k_pool = torch.zeros(shape, device=device, dtype=dtype)
+    return k_pool, torch.zeros_like(k_pool)
+
+
+def copy_block(k_pool, v_pool, src, dst):
+    """Copy-on-write: block src's K/V into block dst, in every layer."""
+    k_pool[:, dst] = k_pool[:, src]
+    v_pool[:, dst] = v_pool[:, src]
 
 
 def write_kv(k_pool, v_pool, slots, k, v):
@@ -86,7 +140,8 @@ def gather_kv(pool, block_table):
     """pool: (num_blocks + 1, block_size, H, D), block_table: (B, W) -> (B, W * block_size, H, D): one
     index_select of whole blocks, each a contiguous copy."""
     B, W = block_table.shape
-    return pool.index_select(0, block_table.flatten()).view(B, W * pool.shape[1], *pool.shape[2:])
+    blocks = pool.index_select(0, block_table.flatten())
+    return blocks.view(B, W * pool.shape[1], *pool.shape[2:])
 
 
 def gather_attend(q, k_pool, v_pool, block_table, kv_len):
@@ -95,110 +150,74 @@ def gather_attend(q, k_pool, v_pool, block_table, kv_len):
     the reductions: the pool is read in place, never copied (tests/test_bf16.py)."""
     B, H, D = q.shape
     acc = torch.promote_types(q.dtype, torch.float32)  # float64 stays exact
-    scores = (q[:, None, None].to(acc) * k_pool[block_table].to(acc)).sum(-1).view(B, -1, H) * D**-0.5  # (B, L, H)
+    keys = k_pool[block_table].to(acc)  # (B, W, block_size, H, D)
+    scores = (q[:, None, None].to(acc) * keys).sum(-1).view(B, -1, H) * D**-0.5  # (B, L, H)
     visible = torch.arange(scores.shape[1], device=q.device) < kv_len[:, None]  # (B, L)
     p = scores.masked_fill(~visible[..., None], float("-inf")).softmax(1)
-    return (p[..., None] * v_pool[block_table].to(acc).view(B, -1, H, D)).sum(1).to(q.dtype)
+    values = v_pool[block_table].to(acc).view(B, -1, H, D)
+    return (p[..., None] * values).sum(1).to(q.dtype)
 
 
-class StepBatch:
-    """Where one forward's new tokens sit. Entry i of the plan, (sequence, n), brings n new tokens after its
-    num_computed cached ones; one-token entries (decode) come first and attend together in one call, then each
-    prefill chunk alone. samplers: (entry, sequence) for each sequence whose next token is due, read from the
-    entry's last token (forks of a prompt share its entry). Built on the host, copied to the device at once by
-    stage(): idx, positions (N,): the new tokens and their positions; logit_rows, sample_rows, sample_pos (S,):
-    the token whose logits each sampler reads, the sampler's row, and the position of the token it samples."""
-
-    def __init__(self, plan, samplers):
-        starts, lens = [s.num_computed for s, _ in plan], [n for _, n in plan]
-        tokens = torch.tensor([t for s, n in plan for t in s.tokens[s.num_computed : s.num_computed + n]])
-        R, N, S = len(lens), sum(lens), sum(n == 1 for n in lens)
-        assert all(n == 1 for n in lens[:S]), "one-token entries must come first"
-        lens_t, starts_t = torch.tensor(lens), torch.tensor(starts)  # (R,) each
-        ends = lens_t.cumsum(0)
-        self.entry = torch.repeat_interleave(torch.arange(R), lens_t)  # (N,) plan entry of each token
-        self.positions_cpu = starts_t[self.entry] + torch.arange(N) - (ends - lens_t)[self.entry]  # (N,)
-        self.kv_lens = starts_t + lens_t  # (R,) keys each entry has after this step
-        self.num_decode = S
-        self.spans = [(end - n, end) for n, end in zip(lens, ends.tolist())]  # each entry's tokens in the step
-        self.chunks = [(i, *self.spans[i], starts[i]) for i in range(S, R)]
-        entries = torch.tensor([i for i, _ in samplers], dtype=torch.long)
-        rows = torch.tensor([s.row for _, s in samplers], dtype=torch.long)
-        self.host = [tokens, self.positions_cpu, (ends - 1)[entries], rows, self.kv_lens[entries]]
-
-    def stage(self, device, *more):
-        """One host-to-device copy for every small tensor of the step -> each as a view of it on the device."""
-        parts = self.host + list(more)
-        flat = torch.cat([t.flatten().long() for t in parts])
-        if device.type == "cuda":
-            flat = flat.pin_memory()  # from pinned memory the copy runs async; the step's end waits for it
-        flat = flat.to(device, non_blocking=True)
-        views = [piece.view(t.shape) for t, piece in zip(parts, flat.split([t.numel() for t in parts]))]
-        self.idx, self.positions, self.logit_rows, self.sample_rows, self.sample_pos = views[:5]
-        return views[5:]
-
-    def store(self, layer, k, v):  # hook: keep one layer's new K/V, k, v: (N, H, D)
-        raise NotImplementedError
-
-    def attend_decode(self, layer, q):  # hook: q (S, H, D) -> (S, H, D), the decode entries' attention
-        raise NotImplementedError
-
-    def chunk_kv(self, layer, i):  # hook: the keys and values entry i's chunk attends, its own too: (1, L, H, D)
-        raise NotImplementedError
-
-    def attend(self, layer, q, k, v):
-        """q, k, v: (N, H, D) for the step's new tokens -> (N, H, D)."""
-        self.store(layer, k, v)
-        S = self.num_decode
-        out = [self.attend_decode(layer, q[:S])] if S else []
-        for i, a, b, start in self.chunks:
-            if start == 0:  # a fresh chunk sees only itself: causal attention over its own new K/V
-                qc, kc, vc = (t[None, a:b].transpose(1, 2) for t in (q, k, v))  # (1, H, n, D): CPU flash needs 4-D
-                out.append(F.scaled_dot_product_attention(qc, kc, vc, is_causal=True)[0].transpose(0, 1))
-            else:  # a chunk after cached tokens reads them back
-                keys, values = self.chunk_kv(layer, i)
-                out.append(attend(q[None, a:b], keys, values, self.positions[None, a:b])[0])
-        return torch.cat(out) if len(out) > 1 else out[0]
+@functools.cache
+def compiled_gather_attend():
+    """torch.compile(gather_attend), made once: a graph per dtype, far below dynamo's recompile limit (8)."""
+    return torch.compile(gather_attend)
 
 
 class PagedBatch(StepBatch):
-    """The pool seen by one forward, through tables cut from the engine's block_tables (max_batch, W) by row:
-    slots (N,): where each new token's K/V go; table (R, W): each entry's blocks; decode_table (B, W'),
-    decode_len (B,): the decode entries'. compiled: decode attention through torch.compile(gather_attend)."""
+    """The pool seen by one forward, through tables cut from the engine's block_tables (max_batch, W) by row.
+    compiled: one-token entries attend through compiled_gather_attend; else blocks are gathered, then SDPA.
+    On the device, besides StepBatch's:
+        slots: (N,) where each new token's K/V go;
+        table: (R, W) each entry's blocks;
+        one_token_table: (B, W') the one-token entries' blocks, and one_token_len: (B,) their keys, padded
+        to B >= S rows when compiled."""
 
-    compiled_fn = None  # torch.compile(gather_attend), built on first use
+    def __init__(self, plan, samplers, k_pool, v_pool, block_tables, compiled):
+        self.k_pool = k_pool
+        self.v_pool = v_pool
+        self.block_tables = block_tables
+        self.compiled = compiled
+        super().__init__(plan, samplers, k_pool.device)
 
-    def __init__(self, plan, samplers, k_pool, v_pool, block_tables, padding_block, compiled):
-        super().__init__(plan, samplers)
-        self.k_pool, self.v_pool, self.compiled = k_pool, v_pool, compiled
-        bs, S = k_pool.shape[2], self.num_decode
-        self.blocks_read = (self.kv_lens + bs - 1) // bs  # (R,)
-        table = block_tables[torch.tensor([s.row for s, _ in plan]), : int(self.blocks_read.max())].long()  # (R, W)
-        slots = table[self.entry, self.positions_cpu // bs] * bs + self.positions_cpu % bs  # (N,)
-        decode_table, decode_len = table[:S, : int(self.blocks_read[:S].max()) if S else 0], self.kv_lens[:S]
-        if compiled and S:  # sizes of 1 would specialize the graph: pad to 2 with the padding block
-            B, W = max(S, 2), max(decode_table.shape[1], 2)
-            decode_table = F.pad(decode_table, (0, W - decode_table.shape[1], 0, B - S), value=padding_block)
-            decode_len = F.pad(decode_len, (0, B - S), value=1)
-        views = self.stage(k_pool.device, slots, table, decode_table, decode_len)
-        self.slots, self.table, self.decode_table, self.decode_len = views
-        self.blocks_read = self.blocks_read.tolist()
+    def host_tables(self, plan):
+        block_size = self.k_pool.shape[2]
+        S = self.num_one_token
+        blocks_read = -(-self.kv_lens // block_size)  # (R,)
+        self.blocks_read = blocks_read.tolist()
+        rows = torch.tensor([e.sequence.row for e in plan])
+        table = self.block_tables[rows, : max(self.blocks_read)].long()  # (R, W)
+        block = table[self.entry, self.host_positions // block_size]  # (N,)
+        slots = block * block_size + self.host_positions % block_size
+        one_token_table = table[:S, : max(self.blocks_read[:S], default=0)]
+        one_token_len = self.kv_lens[:S]
+        if self.compiled and S:
+            B = max(S, MIN_COMPILED_SIZE)
+            W = max(one_token_table.shape[1], MIN_COMPILED_SIZE)
+            padding = (0, W - one_token_table.shape[1], 0, B - S)
+            padding_block = self.k_pool.shape[1] - 1  # the pool's last block
+            one_token_table = F.pad(one_token_table, padding, value=padding_block)
+            one_token_len = F.pad(one_token_len, (0, B - S), value=1)
+        return dict(slots=slots, table=table, one_token_table=one_token_table, one_token_len=one_token_len)
 
     def store(self, layer, k, v):
         write_kv(self.k_pool[layer], self.v_pool[layer], self.slots, k, v)
 
-    def attend_decode(self, layer, q):
-        k_pool, v_pool, table, kv_len = self.k_pool[layer], self.v_pool[layer], self.decode_table, self.decode_len
+    def attend_one_token(self, layer, q):
+        k_pool = self.k_pool[layer]
+        v_pool = self.v_pool[layer]
+        table = self.one_token_table
+        kv_len = self.one_token_len
         if not self.compiled:  # copy whole blocks out, then SDPA
-            k, v = gather_kv(k_pool, table), gather_kv(v_pool, table)  # (S, L, H, D)
+            k = gather_kv(k_pool, table)  # (S, L, H, D)
+            v = gather_kv(v_pool, table)
             return attend(q[:, None], k, v, kv_len[:, None] - 1)[:, 0]
-        if PagedBatch.compiled_fn is None:  # one graph per dtype, far below dynamo's recompile limit (8)
-            PagedBatch.compiled_fn = torch.compile(gather_attend)
         padded = F.pad(q, (0, 0, 0, 0, 0, table.shape[0] - q.shape[0]))  # (B, H, D)
-        for t, dim in [(padded, 0), (table, 0), (table, 1), (kv_len, 0), (k_pool, 0), (v_pool, 0)]:
-            torch._dynamo.maybe_mark_dynamic(t, dim)  # one graph for every batch, width and pool size
-        return PagedBatch.compiled_fn(padded, k_pool, v_pool, table, kv_len)[: q.shape[0]]
+        for t in (padded, table, kv_len, k_pool, v_pool):  # one graph for every batch, width and pool size
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        torch._dynamo.maybe_mark_dynamic(table, 1)
+        return compiled_gather_attend()(padded, k_pool, v_pool, table, kv_len)[: q.shape[0]]
 
-    def chunk_kv(self, layer, i):
-        table = self.table[i : i + 1, : self.blocks_read[i]]
+    def chunk_kv(self, layer, entry):
+        table = self.table[entry : entry + 1, : self.blocks_read[entry]]
         return gather_kv(self.k_pool[layer], table), gather_kv(self.v_pool[layer], table)

@@ -33,8 +33,7 @@ JOB = os.path.join(ROOT, "out", "bf16_quality", "job.json")
 
 def data():
     """The prompts and the held-out windows, as token ids; the model exported once for vLLM."""
-    from generate import SHIPPED
-    from train_tiny import export_hf, get_tokenizer, load_checkpoint, shakespeare
+    from checkpoints import SHIPPED, export_hf, get_tokenizer, load_checkpoint, shakespeare
 
     model = load_checkpoint(SHIPPED)
     val = get_tokenizer(model.config.vocab_size).encode_ordinary(shakespeare()[1])
@@ -57,11 +56,13 @@ def run_ours(dtype, prompts, windows):
     import torch
     import torch.nn.functional as F
 
-    from generate import SHIPPED
-    from scheduler import PagedEngine, Request
-    from train_tiny import load_checkpoint
+    from checkpoints import SHIPPED, load_checkpoint
+    from engine import Request
+    from model import prepack
+    from scheduler import PagedEngine
 
     model = load_checkpoint(SHIPPED).to(getattr(torch, dtype))
+    prepack(model)
     engine = PagedEngine(model, 64 * 13, vocab_size=model.config.vocab_size)
     requests = [Request(p, NEW_TOKENS) for p in prompts]
     engine.run(requests)

@@ -19,10 +19,11 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from generate import warm_up, workload
-from model import GPT, GPTConfig
-from scheduler import PagedEngine, Request
-from train_tiny import get_tokenizer
+from checkpoints import get_tokenizer
+from engine import Request
+from model import GPT, GPTConfig, prepack
+from scheduler import PagedEngine
+from serving import warm_up, workload
 
 ROWS = {  # name: (n_layer, n_embd, requests, prompt tokens, new tokens)
     "12x768, 64 req, 100-200 + 48": (12, 768, 64, (100, 200), (48, 48)),
@@ -47,6 +48,7 @@ def main():
         model = GPT(
             GPTConfig(block_size=1024, vocab_size=50304, n_layer=n_layer, n_head=n_embd // 64, n_embd=n_embd)
         ).eval()
+        prepack(model)
         spec = SimpleNamespace(
             seed=1337, prompt_len=prompt_len, new_tokens=new_tokens, num_requests=num_requests, shared_prefix=0
         )

@@ -24,20 +24,21 @@ import torch
 import torch._inductor.config
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import paged
+import batch
 from bench.vllm_compare import WORKLOADS, export, prompts_for
-from model import Linear
-from scheduler import PagedEngine, Request, blocks_for
-from train_tiny import load_checkpoint
+from checkpoints import load_checkpoint
+from engine import Request
+from model import prepack
+from paged import blocks_for
+from scheduler import PagedEngine
 
 
 def serve(model, forward, prompts, new_tokens):
     """-> (output tok/s, outputs), one PagedEngine with its defaults; forward replaces the model's call."""
+    if forward is None:  # eager: the linears prepacked, as generate.py loads a model; the compiled graph packs its own
+        prepack(model)
     engine = PagedEngine(model, sum(blocks_for(len(p) + new_tokens, 16) for p in prompts), vocab_size=50257)
     if forward is not None:
-        for m in model.modules():  # the engine prepacked them; the compiled graph packs its own
-            if isinstance(m, Linear):
-                m.packed = None
         engine.model = forward
     requests = [Request(p, new_tokens) for p in prompts]
     start = time.perf_counter()
@@ -56,7 +57,7 @@ def main():
     args = p.parse_args()
     torch._inductor.config.freezing = True
     torch._dynamo.config.recompile_limit = 64
-    paged.StepBatch.attend = torch.compiler.disable(paged.StepBatch.attend)
+    batch.StepBatch.attend = torch.compiler.disable(batch.StepBatch.attend)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {time.strftime('%Y-%m-%d')}")
     for name in args.workloads.split(","):
         shape, workload = name.split("/")

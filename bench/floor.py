@@ -27,22 +27,24 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import scheduler
-from generate import workload
-from model import GPT, GPTConfig, attend
-from paged import StepBatch
-from scheduler import PagedEngine, Request
-from train_tiny import get_tokenizer, load_checkpoint
+import engine as engine_py
+from batch import StepBatch
+from checkpoints import get_tokenizer, load_checkpoint
+from engine import PlanEntry, Request, Sampler
+from model import GPT, GPTConfig, attend, prepack
+from scheduler import PagedEngine
+from serving import workload
 
 
 class FloorBatch(StepBatch):
     """A step whose earlier K/V already sit gathered in dense tensors: nothing is written or read back."""
 
-    def __init__(self, starts, lens, samplers, config):
-        plan = [(SimpleNamespace(tokens=[0] * (a + n), num_computed=a, row=0), n) for a, n in zip(starts, lens)]
-        super().__init__(plan, [(i, plan[i][0]) for i, _ in samplers])
-        [self.decode_pos] = self.stage(torch.device("cpu"), self.kv_lens[: self.num_decode, None] - 1)
-        H, D, S = config.n_head, config.n_embd // config.n_head, self.num_decode
+    def __init__(self, starts, lens, entries, config):
+        plan = [
+            PlanEntry(SimpleNamespace(tokens=[0] * (a + n), num_computed=a, row=0), n) for a, n in zip(starts, lens)
+        ]
+        super().__init__(plan, [Sampler(plan[i].sequence, i) for i in entries], torch.device("cpu"))
+        H, D, S = config.n_head, config.n_embd // config.n_head, self.num_one_token
         L = int(self.kv_lens[:S].max()) if S else 0
         self.single = [(torch.randn(S, L, H, D), torch.randn(S, L, H, D)) for _ in range(config.n_layer)]
         self.cached = {
@@ -51,10 +53,13 @@ class FloorBatch(StepBatch):
             if i >= S and starts[i] > 0
         }
 
+    def host_tables(self, plan):
+        return dict(decode_pos=self.kv_lens[: self.num_one_token, None] - 1)
+
     def store(self, layer, k, v):
         pass
 
-    def attend_decode(self, layer, q):
+    def attend_one_token(self, layer, q):
         k, v = self.single[layer]
         return attend(q[:, None], k, v, self.decode_pos)[:, 0]
 
@@ -67,7 +72,7 @@ class Probe:
 
     def __init__(self, engine):
         self.host, self.sampling, self.step_start, self.decode_only = [], [], None, False
-        schedule, forward, sample = engine.schedule, engine.model.forward, scheduler.sample_logits
+        schedule, forward, sample = engine.schedule, engine.model.forward, engine_py.sample_tokens
 
         def timed_schedule():
             self.step_start = time.perf_counter()
@@ -86,8 +91,8 @@ class Probe:
             self.sampling.append(time.perf_counter() - start)
             return tokens
 
-        engine.schedule, engine.model.forward, scheduler.sample_logits = timed_schedule, timed_forward, timed_sample
-        self.restore = lambda: setattr(scheduler, "sample_logits", sample) or vars(engine.model).pop("forward")
+        engine.schedule, engine.model.forward, engine_py.sample_tokens = timed_schedule, timed_forward, timed_sample
+        self.restore = lambda: setattr(engine_py, "sample_tokens", sample) or vars(engine.model).pop("forward")
 
 
 def run_engine(model, prompts, news, steps=None, temperature=0.8, probe=False):
@@ -99,7 +104,7 @@ def run_engine(model, prompts, news, steps=None, temperature=0.8, probe=False):
 
     def record(plan, samplers):
         if steps is not None:
-            steps.append(([s.num_computed for s, _ in plan], [n for _, n in plan], [(i, 0) for i, _ in samplers]))
+            steps.append(([s.num_computed for s, _ in plan], [n for _, n in plan], [x.entry for x in samplers]))
         return make_batch(plan, samplers)
 
     engine.make_batch = record
@@ -141,6 +146,7 @@ def main():
     if args.vocab_size:
         torch.manual_seed(0)
         model = GPT(GPTConfig(**{**vars(model.config), "vocab_size": args.vocab_size})).eval()
+    prepack(model)  # as generate.py loads a model: engine and floor run the same linears
     c = model.config
     enc = get_tokenizer(c.vocab_size)
     wl = argparse.Namespace(seed=1, prompt_len=(8, 192), new_tokens=(8, 64), shared_prefix=0, num_requests=128)

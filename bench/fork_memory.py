@@ -24,9 +24,13 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from generate import Meter, span, workload
-from scheduler import PagedEngine, Request
-from train_tiny import get_tokenizer, load_checkpoint
+from checkpoints import get_tokenizer, load_checkpoint
+from engine import Request
+from generate import span
+from metrics import Meter
+from model import prepack
+from scheduler import PagedEngine
+from serving import workload
 
 
 def run(model, requests, vocab_size, width):
@@ -68,6 +72,7 @@ def main():
     (a, b), (c, d) = args.prompt_len, args.new_tokens
     shape = f"{args.num_requests} requests, prompts {a}-{b} tokens, {c}-{d} new"
     model = load_checkpoint(args.ckpt)
+    prepack(model)
     enc = get_tokenizer(model.config.vocab_size)
     spec = SimpleNamespace(
         seed=1, prompt_len=args.prompt_len, new_tokens=args.new_tokens, num_requests=args.num_requests, shared_prefix=0

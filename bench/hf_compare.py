@@ -28,9 +28,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from model import GPT, GPTConfig
-from scheduler import PagedEngine, Request
-from train_tiny import get_tokenizer, load_checkpoint, shakespeare
+from checkpoints import get_tokenizer, load_checkpoint, shakespeare
+from engine import Request
+from model import GPT, GPTConfig, prepack
+from scheduler import PagedEngine
 
 
 def make_models(path):
@@ -111,6 +112,7 @@ def run_ours(model, prompts, news, n=1, num_beams=1, temperature=0.0, top_k=None
         for i, (p, m) in enumerate(zip(prompts, news))
     ]
     num_blocks = sum(-(-(len(p) + m - 1) // 16) for p, m in zip(prompts, news)) * max(n, num_beams)
+    prepack(model)  # on a CPU, the linears in oneDNN's layout, as generate.py loads a model
     engine = PagedEngine(model, num_blocks, max_batch=64 * max(n, num_beams), vocab_size=50257)
     start = time.perf_counter()
     engine.run(requests)

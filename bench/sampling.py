@@ -25,10 +25,11 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import scheduler
-from generate import workload
-from model import GPT, GPTConfig
-from scheduler import PagedEngine, Request
-from train_tiny import get_tokenizer
+from checkpoints import get_tokenizer
+from engine import Request
+from model import GPT, GPTConfig, prepack
+from scheduler import PagedEngine
+from serving import workload
 
 SHAPES = {"tiny": (4, 4, 128), "gpt2": (12, 12, 768)}  # n_layer, n_head, n_embd
 
@@ -97,6 +98,7 @@ def main():
         n_layer, n_head, n_embd = SHAPES[shape]
         torch.manual_seed(0)
         model = GPT(GPTConfig(block_size=1024, vocab_size=50304, n_layer=n_layer, n_head=n_head, n_embd=n_embd)).eval()
+        prepack(model)
         runs = {"greedy": (0.0, False), "sampled": (0.8, False), "two-level": (0.8, True)}
         for temperature, two_level in runs.values():  # warm-up: the compiled decode attention, the allocator
             run(model, [p[:8] for p in prompts], [8] * len(prompts), temperature, two_level)

@@ -98,10 +98,14 @@ def run_ours(job):
     sys.path.insert(0, ROOT)
     import torch
 
-    from scheduler import PagedEngine, Request, blocks_for
-    from train_tiny import load_checkpoint
+    from checkpoints import load_checkpoint
+    from engine import Request
+    from model import prepack
+    from paged import blocks_for
+    from scheduler import PagedEngine
 
     model = load_checkpoint(job["folder"]).to(getattr(torch, job["dtype"]))
+    prepack(model)
     width = max(job["beams"], job["samples"])
 
     def serve(prompts, new_tokens):

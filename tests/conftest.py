@@ -7,9 +7,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from contiguous import ContiguousEngine
-from generate import Meter, kv_slots
+from engine import Request
+from metrics import Meter, kv_slots
 from model import GPT, GPTConfig
-from scheduler import Request
 
 torch.set_num_threads(1)  # tests are many small ops; threads only add overhead on 2 cores
 
@@ -57,7 +57,7 @@ def check_invariants(engine):
     for r in engine.running:  # the persistent table mirrors each block table, and never names padding's block
         assert engine.block_tables[r.row, : len(r.block_table)].tolist() == r.block_table
         assert alloc.num_blocks not in r.block_table
-    clean, cached = set(alloc.clean), set(alloc.cached)
+    clean, cached = set(alloc.clean), set(alloc.cached_free)
     assert len(clean) == len(alloc.clean), "a block is twice on the clean stack"
     for block in range(alloc.num_blocks):
         states = (block in clean) + (block in cached) + (holders[block] > 0)
@@ -67,8 +67,8 @@ def check_invariants(engine):
         )
         assert block not in clean or block not in alloc.hash_of, f"clean block {block} keeps a hash"
     assert cached <= set(alloc.hash_of), "a cached block has no hash"
-    assert all(alloc.hash_of[b] == h and alloc.cache[h][0] == b for h, (b, _) in alloc.cache.items())
-    assert len(alloc.cache) == len(alloc.hash_of)
+    assert all(alloc.hash_of[b] == h and alloc.by_hash[h][0] == b for h, (b, _) in alloc.by_hash.items())
+    assert len(alloc.by_hash) == len(alloc.hash_of)
     bs = engine.block_size  # slots holding K/V, each counted once however many sequences share its block
     written = {(r.block_table[p // bs], p % bs) for r in engine.running for p in range(r.num_computed)}
     assert kv_slots(engine)["used"] == len(written)

@@ -9,17 +9,18 @@ from conftest import make_requests, run_engine
 from test_model import incremental_logits
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import generate
-from model import Linear
+import checkpoints
+from checkpoints import get_tokenizer, load_checkpoint, shakespeare
+from engine import PlanEntry, SequenceStatus
+from model import Linear, prepack
 from paged import PagedBatch
 from scheduler import PagedEngine
-from train_tiny import get_tokenizer, load_checkpoint, shakespeare
 
 
 @pytest.fixture(scope="module")
 def model():
     """The shipped model in bf16, trained: its activations, unlike random weights', spread as in use."""
-    return load_checkpoint(generate.SHIPPED).to(torch.bfloat16)
+    return load_checkpoint(checkpoints.SHIPPED).to(torch.bfloat16)
 
 
 def prompts_from_the_plays(n, length, seed=0):
@@ -36,15 +37,15 @@ def test_paged_forward_in_bf16_is_as_close_to_float64_as_the_plain_models(model,
     equal the plain one bit for bit. What must hold is that paging costs no accuracy: over every logit of a
     prefill and six decode steps, the paged bf16 forward's mean error against float64 is within 1.25x the
     plain bf16 forward's on the same tokens (measured: 1.00x)."""
-    exact = load_checkpoint(generate.SHIPPED).to(torch.float64)
+    exact = load_checkpoint(checkpoints.SHIPPED).to(torch.float64)
     prompts = prompts_from_the_plays(6, 40)
     shape = (model.config.n_layer, 97, 4, model.config.n_head, model.config.n_embd // model.config.n_head)
     k_pool, v_pool = torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16)
     block_tables = torch.tensor([[i + 6 * j for j in range(16)] for i in range(6)], dtype=torch.int32)
-    PagedEngine(model, num_blocks=4)  # prepacks the bf16 linears, as an engine does
+    prepack(model)  # the bf16 linears in oneDNN's layout, as generate.py loads a model
 
     def paged_batch(plan, samplers):
-        return PagedBatch(plan, samplers, k_pool, v_pool, block_tables, 96, compiled)
+        return PagedBatch(plan, samplers, k_pool, v_pool, block_tables, compiled)
 
     reqs, steps = incremental_logits(model, prompts, 6, paged_batch)
     paged_err = plain_err = 0.0
@@ -63,9 +64,9 @@ def test_paged_forward_in_bf16_is_as_close_to_float64_as_the_plain_models(model,
 def test_linears_are_prepacked_in_bf16_and_give_f_linears_result(model):
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip("this CPU has no oneDNN bf16 kernels: bf16 linears run F.linear")
-    PagedEngine(model, num_blocks=4)
+    prepack(model)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    assert linears and all(m.packed is not None for m in linears)
+    assert linears and all(m.is_packed() for m in linears)
     x = torch.randn(5, model.config.n_embd, dtype=torch.bfloat16)
     with torch.no_grad():
         assert torch.equal(model.lm_head(x), torch.nn.functional.linear(x, model.lm_head.weight))
@@ -95,21 +96,21 @@ def test_decode_reads_the_bf16_pool_without_a_float32_copy(model):
         requests = make_requests(prompts, [12] * 16)
         for r in requests:
             engine.add(r)
-        while any(s.status != "decoding" for s in engine.running) or engine.waiting:
+        while any(s.status is not SequenceStatus.DECODING for s in engine.running) or engine.waiting:
             engine.step()  # prefill all: the steps below decode only
         engine.step()  # compiles the decode graph, when compiled
         assert engine.k_pool.dtype == torch.bfloat16 and len(engine.running) == 16
         c = model.config
         gathered = 16 * 64 * c.n_head * (c.n_embd // c.n_head)  # (S, L, H, D): keys of 48+ tokens, in 4 blocks
-        batch = engine.make_batch([(s, 1) for s in engine.running], [])
+        batch = engine.make_batch([PlanEntry(s, 1) for s in engine.running], [])
         q = torch.randn(16, c.n_head, c.n_embd // c.n_head, dtype=torch.bfloat16)
         if compile == "off":
             with LargestFloat32() as mode, torch.no_grad():
-                out = batch.attend_decode(0, q)
+                out = batch.attend_one_token(0, q)
             assert mode.largest < gathered, (mode.largest, gathered)
         else:
             with torch.profiler.profile(profile_memory=True) as prof, torch.no_grad():
-                out = batch.attend_decode(0, q)
+                out = batch.attend_one_token(0, q)
             allocated = [e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0]
             assert max(allocated) < gathered * 2, (max(allocated), gathered * 2)
         assert out.dtype == torch.bfloat16 and out.shape == q.shape

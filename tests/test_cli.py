@@ -9,9 +9,10 @@ from test_model import save_nanogpt_ckpt
 
 import generate
 from contiguous import ContiguousEngine
-from generate import metrics, percentile
+from engine import Request
+from metrics import cell, metrics, percentile
 from model import GPT, GPTConfig
-from scheduler import PagedEngine, Request
+from scheduler import PagedEngine
 
 
 def one_line_error(argv):
@@ -62,11 +63,11 @@ def test_broken_checkpoints_are_one_line_errors_naming_the_cause(tmp_path):
             "--shared-prefix 10000000 must be shorter than the --prompt-len maximum 128",
         ),
         (["--num-requests", "2", "--shared-prefix", "200"], "must be shorter than the --prompt-len maximum 128"),
-        (
-            ["--json", "/no/such/folder/run.json"],
-            "--json /no/such/folder/run.json: the folder /no/such/folder does not exist",
+        (  # /dev/null is no folder, even for root: no folder can be made under it
+            ["--json", "/dev/null/out/run.json"],
+            "--json /dev/null/out/run.json: cannot make the folder /dev/null/out: Not a directory",
         ),
-        (["--plot", "/no/such/folder/p.png"], "the folder /no/such/folder does not exist"),
+        (["--plot", "/dev/null/out/p.png"], "cannot make the folder /dev/null/out"),
         (["--plot", "out.xyz"], "--plot out.xyz: the file name must end in one of"),
         (["--temperature", "nan"], "--temperature: nan is not a finite number"),
         (["--temperature", "inf"], "--temperature: inf is not a finite number"),
@@ -153,7 +154,7 @@ def test_tpot_is_not_applicable_when_every_request_makes_one_token(model):
     run_engine(engine, [Request([1, 2, 3], 1), Request([4, 5], 1)])
     m = metrics(engine.meter, 1.0, float("inf"), None)
     assert m["tpot_ms_mean"] is None and m["prefix_hit_rate"] is None
-    assert generate.cell(None) == "—" and generate.cell(31050.4) == "31,050" and generate.cell(0.123) == "0.12"
+    assert cell(None) == "—" and cell(31050.4) == "31,050" and cell(0.123) == "0.12"
 
 
 def padded_vocab_checkpoint(path):

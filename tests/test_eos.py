@@ -7,8 +7,9 @@ from conftest import baseline, check_invariants, run_engine
 from test_fork import samples_as_separate_requests
 
 from contiguous import ContiguousEngine
-from generate import metrics
-from scheduler import PagedEngine, Request
+from engine import Request, RequestStatus, SequenceStatus
+from metrics import metrics
+from scheduler import PagedEngine
 
 
 def cut_at(tokens, eos):
@@ -44,7 +45,7 @@ def test_plain_requests_stop_at_eos_and_give_every_block_back(model, num_blocks)
     ):
         requests = [Request(p, n, eos=eos) for p, n in zip(prompts, news)]
         assert run_engine(engine, requests, check=isinstance(engine, PagedEngine)) == want
-        assert len(engine.finished) == len(requests) and all(r.status == "done" for r in requests)
+        assert len(engine.finished) == len(requests) and all(r.status is RequestStatus.DONE for r in requests)
         assert metrics(engine.meter, 1.0, float("inf"), None)["output_tokens"] == sum(map(len, want))
         if isinstance(engine, PagedEngine):
             assert engine.allocator.num_free() == num_blocks and not engine.running and not engine.waiting
@@ -64,9 +65,9 @@ def test_samples_stop_one_by_one_and_free_their_blocks_at_once(model):
         engine.step()
         check_invariants(engine)
         for s in r.sequences:  # a stopped sample holds nothing while its siblings go on
-            if s.status == "done":
+            if s.status is SequenceStatus.DONE:
                 assert s.block_table == [] and s.row is None and s.generated == cut_at(s.generated, eos)
-    assert [s.generated for s in r.sequences] == want and r.status == "done"
+    assert [s.generated for s in r.sequences] == want and r.status is RequestStatus.DONE
     assert engine.allocator.num_free() == 60 and all(c == 0 for c in engine.allocator.ref_count)
 
 

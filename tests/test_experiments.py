@@ -10,8 +10,9 @@ from conftest import baseline, make_requests, tiny_gpt
 from test_model import save_nanogpt_ckpt
 
 import generate
+import serving
 from contiguous import ContiguousEngine
-from generate import Meter
+from metrics import Meter
 from scheduler import PagedEngine
 
 
@@ -45,7 +46,7 @@ def test_no_reservation_policy_ever_holds_more_than_the_budget(model, reserve):
         arrivals = sorted(rng.uniform(0, 0.05) for _ in prompts)
         requests = make_requests(prompts, news)
         peak = 0
-        for _ in generate.arrive(engine, requests, arrivals):
+        for _ in serving.arrive(engine, requests, arrivals):
             held = sum(engine.reservation(s.request) for s in engine.running)
             assert held == engine.reserved <= 100
             assert all(s.num_computed <= engine.reservation(s.request) for s in engine.running)
@@ -70,7 +71,7 @@ def test_no_request_is_scheduled_before_its_arrival_and_the_idle_engine_sleeps(m
 
     engine.schedule = record
     requests, meter = make_requests(prompts, news), Meter(engine)
-    for _ in generate.arrive(engine, requests, arrivals):
+    for _ in serving.arrive(engine, requests, arrivals):
         pass
     assert all(scheduled[id(r)] >= at for r, at in zip(requests, arrivals))
     assert clock.slept > 4.0 and len(meter.steps) < 200  # it slept through the gaps instead of spinning

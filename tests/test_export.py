@@ -8,9 +8,10 @@ from conftest import make_requests, run_engine, tiny_gpt
 from test_model import save_nanogpt_ckpt
 
 import generate
+from checkpoints import get_tokenizer, load_checkpoint, shakespeare
+from engine import Request
 from model import GPT, GPTConfig
-from scheduler import PagedEngine, Request
-from train_tiny import get_tokenizer, load_checkpoint, shakespeare
+from scheduler import PagedEngine
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # everything loads from the exported folder; nothing may be fetched
 transformers = pytest.importorskip("transformers")
@@ -76,7 +77,7 @@ def test_export_errors_are_one_line(tmp_path):
         ("none.pt", "new", "no checkpoint at"),
         ("ckpt.pt", "full", "exists and is not an empty folder"),
         ("ckpt.pt", "file", "exists and is not an empty folder"),
-        ("ckpt.pt", "no/such/parent", "does not exist or is not writable"),
+        ("ckpt.pt", "file/under", "cannot make the folder"),
     ]:
         with pytest.raises(SystemExit) as e:
             generate.main(["--ckpt", str(tmp_path / ckpt), "--export-hf", str(tmp_path / out)])

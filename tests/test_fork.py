@@ -10,7 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from contiguous import ContiguousEngine
-from scheduler import PagedEngine, Request
+from engine import Request, RequestStatus, SequenceStatus
+from scheduler import PagedEngine
 
 
 def samples_as_separate_requests(model, prompt, new, n, seed, temperature=0.9, top_k=None):
@@ -38,7 +39,7 @@ def test_n_samples_fork_once_and_equal_separate_requests_with_the_same_seeds(mod
         r = Request(prompt, 9, 0.9, top_k, seed=70, n=n)
         run_engine(engine, [r], check=True)
         assert outputs(r) == samples_as_separate_requests(model, prompt, 9, n, 70, 0.9, top_k)
-        assert r.generated == outputs(r)[0] and r.status == "done" and len(engine.finished) == 1
+        assert r.generated == outputs(r)[0] and r.status is RequestStatus.DONE and len(engine.finished) == 1
         assert engine.meter.prefill_tokens == len(prompt), f"n={n}: the prompt was prefilled more than once"
         leaks_nothing(engine)
 
@@ -143,7 +144,7 @@ def test_dying_beams_give_their_blocks_back_and_sharing_saves_blocks(model):
         engine.step()
         check_invariants(engine)
         live = [s for s in engine.running]
-        assert len(live) <= 4 and all(s.status != "dead" for s in live)
+        assert len(live) <= 4 and all(s.status is not SequenceStatus.DEAD for s in live)
         held.append(engine.allocator.num_blocks - engine.allocator.num_free())
         private.append(sum(len(s.block_table) for s in live))
     assert max(held[1:-1]) < 0.5 * max(private[1:-1]), "four beams held nearly four private copies"

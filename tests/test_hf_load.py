@@ -8,8 +8,9 @@ from conftest import run_engine, tiny_gpt
 from test_model import save_nanogpt_ckpt
 
 import generate
-from scheduler import PagedEngine, Request
-from train_tiny import export_hf, load_checkpoint
+from checkpoints import export_hf, load_checkpoint
+from engine import Request
+from scheduler import PagedEngine
 
 transformers = pytest.importorskip("transformers")
 

@@ -7,11 +7,12 @@ import torch
 from conftest import baseline, make_requests, run_engine, tiny_gpt
 
 import generate
+from checkpoints import get_tokenizer, load_checkpoint, shakespeare
 from contiguous import ContiguousBatch, ContiguousEngine
-from model import GPT, GPTConfig, sample, uniform
+from engine import PlanEntry, Request, Sampler
+from model import GPT, GPTConfig
 from paged import PagedBatch
-from scheduler import Request
-from train_tiny import get_tokenizer, load_checkpoint, shakespeare
+from sampling import sample, uniform
 
 
 def incremental_logits(model, prompts, decode_steps, make_batch):
@@ -25,8 +26,8 @@ def incremental_logits(model, prompts, decode_steps, make_batch):
     steps = []
     with torch.no_grad():
         for _ in range(decode_steps + 1):
-            plan = sorted([(r, len(r.tokens) - r.num_computed) for r in reqs], key=lambda item: item[1] > 1)
-            batch = make_batch(plan, [(i, r) for i, (r, _) in enumerate(plan)])
+            plan = sorted([PlanEntry(r, r.num_uncomputed()) for r in reqs], key=lambda entry: entry.num_tokens > 1)
+            batch = make_batch(plan, [Sampler(r, i) for i, (r, _) in enumerate(plan)])
             logits, _ = model(batch.idx, batch=batch)
             for (r, n), row in zip(plan, logits):
                 r.num_computed += n
@@ -53,7 +54,7 @@ def test_cached_decode_equals_full_recompute(model, cache):
     block_tables = torch.tensor([[i + 8 * j for j in range(8)] for i in range(len(prompts))], dtype=torch.int32)
 
     def paged_batch(plan, samplers):
-        return PagedBatch(plan, samplers, k_pool, v_pool, block_tables, 64, compiled="compiled" in cache)
+        return PagedBatch(plan, samplers, k_pool, v_pool, block_tables, compiled="compiled" in cache)
 
     make_batch = (
         paged_batch

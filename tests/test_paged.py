@@ -7,8 +7,9 @@ import pytest
 import torch
 from conftest import baseline, make_requests, run_engine
 
+from engine import Request, RequestStatus
 from paged import BlockAllocator, gather_attend, gather_kv, write_kv
-from scheduler import PagedEngine, Request
+from scheduler import PagedEngine
 
 
 def test_lifecycle_prompt_blocks_then_one_more_when_decode_crosses_a_boundary(model):
@@ -20,11 +21,11 @@ def test_lifecycle_prompt_blocks_then_one_more_when_decode_crosses_a_boundary(mo
     engine.step()  # position 12 starts a 4th block
     assert len(r.sequences[0].block_table) == 4 and engine.allocator.num_free() == 4
     engine.step()
-    assert r.status == "done" and engine.allocator.num_free() == 8 and len(r.generated) == 3
+    assert r.status is RequestStatus.DONE and engine.allocator.num_free() == 8 and len(r.generated) == 3
 
 
 def test_reuse_blocks_freed_by_a_finished_request_go_to_the_next_lifo(model):
-    alloc = BlockAllocator(10)
+    alloc = BlockAllocator(10, block_size=4)
     first = alloc.allocate(3)
     alloc.allocate(2)
     alloc.free(first)
@@ -44,13 +45,13 @@ def test_exhausted_pool_admits_after_release(model):
     engine.add(big)
     engine.add(small)
     engine.step()  # big fills both blocks and finishes; small had to wait in that step
-    assert big.status == "done" and small.status == "waiting"
+    assert big.status is RequestStatus.DONE and small.status is RequestStatus.WAITING
     engine.step()
-    assert small.status == "done" and engine.allocator.num_free() == 2
+    assert small.status is RequestStatus.DONE and engine.allocator.num_free() == 2
 
 
 def test_allocating_from_an_empty_pool_raises_and_never_hands_out_twice():
-    alloc = BlockAllocator(3)
+    alloc = BlockAllocator(3, block_size=4)
     blocks = [alloc.allocate()[0] for _ in range(3)]
     assert sorted(blocks) == [0, 1, 2]
     with pytest.raises(RuntimeError, match="1 blocks asked, 0 of 3 free"):

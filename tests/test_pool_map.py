@@ -8,8 +8,10 @@ from conftest import check_invariants, run_engine
 from test_cli import one_line_error
 
 import generate
-from generate import CACHED, COPIED, FREE, HELD, SHARED, Meter, PoolMap
-from scheduler import PagedEngine, Request
+from engine import Request, RequestStatus
+from metrics import Meter
+from plots import CACHED, COPIED, FREE, HELD, SHARED, PoolMap
+from scheduler import PagedEngine
 
 
 def holders(engine):
@@ -38,7 +40,7 @@ def run_recorded(engine, requests):
         assert (count[copied] >= 1).all()
         assert np.array_equal(states == SHARED, (count > 1) & ~copied)
         assert np.array_equal(states == HELD, (count == 1) & ~copied)
-        cached = {block for block, _ in engine.allocator.cache.values() if count[block] == 0}
+        cached = {block for block, _ in engine.allocator.by_hash.values() if count[block] == 0}
         assert set(np.flatnonzero(states == CACHED).tolist()) == cached
         replaced = {  # blocks that took the place of another in a table that existed before this step
             new
@@ -63,7 +65,7 @@ def test_beams_share_blocks_and_copy_on_write(model):
     pool_map, meter = run_recorded(engine, requests)
     seen = set(np.unique(np.stack(pool_map.states)).tolist())
     assert {FREE, HELD, SHARED, COPIED} <= seen
-    assert meter.num_preemptions == 0 and len(pool_map.admitted) == len(requests)
+    assert meter.num_preemptions == 0 and len(pool_map.admissions) == len(requests)
     plain = PagedEngine(model, 256, block_size=4, max_batch=16, vocab_size=300)
     expected = run_engine(plain, [Request(p, 20, num_beams=4) for p in prompts])
     assert [r.generated for r in requests] == expected, "recording changed the outputs"
@@ -86,9 +88,9 @@ def test_memory_pressure_marks_every_preemption_and_readmission(model):
     engine = PagedEngine(model, 14, block_size=4, vocab_size=300)
     requests = [Request(p, 24) for p in prompts]
     pool_map, meter = run_recorded(engine, requests)
-    assert meter.num_preemptions > 0 and len(pool_map.preempted) == meter.num_preemptions
-    assert len(pool_map.admitted) == len(requests) + meter.num_preemptions  # each preempted one comes back
-    assert all(r.status == "done" for r in requests)
+    assert meter.num_preemptions > 0 and len(pool_map.preemptions) == meter.num_preemptions
+    assert len(pool_map.admissions) == len(requests) + meter.num_preemptions  # each preempted one comes back
+    assert all(r.status is RequestStatus.DONE for r in requests)
 
 
 def test_draw_writes_a_png_with_a_column_per_step(model, tmp_path):
@@ -102,7 +104,7 @@ def test_draw_writes_a_png_with_a_column_per_step(model, tmp_path):
 
 
 def test_cli_pool_map_is_written_and_its_flag_checked_before_the_run(ckpt, tmp_path, capsys):
-    path = tmp_path / "pool.png"
+    path = tmp_path / "out" / "pool.png"  # a folder that does not exist yet is made, as for --plot and --json
     generate.main(["--ckpt", ckpt, "--paged", "--max-new-tokens", "6", "--pool-map", str(path)])
     assert path.read_bytes()[:4] == b"\x89PNG"
     assert f"pool map written to {path}" in capsys.readouterr().out
@@ -110,6 +112,6 @@ def test_cli_pool_map_is_written_and_its_flag_checked_before_the_run(ckpt, tmp_p
         (["--pool-map", "p.png"], "--pool-map needs --paged, without --compare"),
         (["--paged", "--compare", "--pool-map", "p.png"], "--pool-map needs --paged, without --compare"),
         (["--paged", "--pool-map", "p.xyz"], "--pool-map p.xyz: the file name must end in one of"),
-        (["--paged", "--pool-map", "/no/such/p.png"], "--pool-map /no/such/p.png: the folder /no/such does not exist"),
+        (["--paged", "--pool-map", "/dev/null/p.png"], "--pool-map /dev/null/p.png: cannot make the folder /dev/null"),
     ]:
         assert message in one_line_error(["--ckpt", ckpt] + argv)

@@ -4,8 +4,9 @@ import random
 
 from conftest import baseline, check_invariants, make_requests, run_engine
 
+from engine import Request, RequestStatus
 from paged import BlockAllocator
-from scheduler import PagedEngine, Request
+from scheduler import PagedEngine
 
 
 def shared_prefix_workload():
@@ -64,18 +65,18 @@ def test_shared_block_survives_its_first_holder_and_pool_is_reclaimable_at_the_e
     engine.step()
     shared = first.sequences[0].block_table[:2]
     assert second.sequences[0].block_table[:2] == shared and all(engine.allocator.ref_count[b] == 2 for b in shared)
-    while first.status != "done":
+    while first.status is not RequestStatus.DONE:
         engine.step()
         check_invariants(engine)
     assert second.sequences[0].block_table[:2] == shared and all(engine.allocator.ref_count[b] == 1 for b in shared)
     while engine.running:
         engine.step()
-    assert engine.allocator.num_free() == 20 and set(shared) <= set(engine.allocator.cached)
+    assert engine.allocator.num_free() == 20 and set(shared) <= set(engine.allocator.cached_free)
     check_invariants(engine)
 
 
 def test_eviction_takes_clean_blocks_first_then_least_recently_released():
-    alloc = BlockAllocator(4)
+    alloc = BlockAllocator(4, block_size=1)
     [a], [b] = alloc.allocate(), alloc.allocate()
     alloc.register(a, "hash-a", (1,))
     alloc.register(b, "hash-b", (2,))

@@ -8,7 +8,8 @@ from conftest import baseline, make_requests, run_engine
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scheduler import PagedEngine, Request
+from engine import Request, RequestStatus
+from scheduler import PagedEngine
 
 
 @st.composite
@@ -72,7 +73,7 @@ def test_soak_5000_short_requests_through_a_tiny_pool_leak_nothing(model):
         Request([rng.randrange(300) for _ in range(rng.randint(1, 4))], rng.randint(1, 3), seed=i) for i in range(5000)
     ]
     run_engine(engine, requests)
-    assert all(r.status == "done" and len(r.generated) == r.max_new_tokens for r in requests)
+    assert all(r.status is RequestStatus.DONE and len(r.generated) == r.max_new_tokens for r in requests)
     assert len(engine.finished) == 5000 and engine.allocator.num_free() == 12
     assert sum(engine.allocator.ref_count) == 0
 
@@ -96,7 +97,7 @@ def test_requests_that_can_never_run_are_refused_and_others_go_on(model, request
     with pytest.raises(ValueError, match=re.escape(message)):
         engine.add(Request(*request_args))
     run_engine(engine, [])
-    assert fine.status == "done" and len(fine.generated) == 4 and engine.allocator.num_free() == 8
+    assert fine.status is RequestStatus.DONE and len(fine.generated) == 4 and engine.allocator.num_free() == 8
 
 
 @pytest.mark.parametrize(

@@ -3,13 +3,14 @@
 import pytest
 import torch
 
+import checkpoints
 import generate
-from train_tiny import get_tokenizer, load_checkpoint, shakespeare
+from checkpoints import get_tokenizer, load_checkpoint, shakespeare
 
 
 def test_shipped_model_holds_its_val_loss_on_the_held_out_plays():
     """Every whole 256-token window of the held-out split (each play's last tenth), not a random sample."""
-    model = load_checkpoint(generate.SHIPPED)
+    model = load_checkpoint(checkpoints.SHIPPED)
     assert model.config.vocab_size == 2048 and sum(p.numel() for p in model.parameters()) < 1.2e6
     val = torch.tensor(get_tokenizer(model.config.vocab_size).encode_ordinary(shakespeare()[1]))
     T = model.config.block_size

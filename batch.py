@@ -1,0 +1,100 @@
+"""What one forward reads: the step's new tokens, their positions, and where each sequence's earlier K/V are.
+The model calls batch.attend(layer, q, k, v) and never sees the cache: PagedBatch (paged.py) keeps K/V in
+the block pool, ContiguousBatch (contiguous.py) in each sequence's own tensors."""
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from model import attend
+
+
+class Chunk(NamedTuple):
+    """A prefill chunk: plan entry `entry`'s new tokens sit at [start, end) of the step's tokens, after
+    num_cached tokens of its sequence whose K/V are already in the cache."""
+
+    entry: int
+    start: int
+    end: int
+    num_cached: int
+
+
+def stage(tensors, device):
+    """One host-to-device copy for every small tensor of the step -> {name: a view of it on the device}."""
+    flat = torch.cat([t.flatten().long() for t in tensors.values()])
+    if device.type == "cuda":
+        flat = flat.pin_memory()  # from pinned memory the copy runs async; the step's end waits for it
+    flat = flat.to(device, non_blocking=True)
+    pieces = flat.split([t.numel() for t in tensors.values()])
+    return {name: piece.view(t.shape) for (name, t), piece in zip(tensors.items(), pieces)}
+
+
+class StepBatch:
+    """Where one forward's new tokens sit. Plan entry i, (sequence, num_tokens), brings num_tokens new tokens
+    after its sequence's num_computed cached ones. One-token entries (decodes, and prefill chunks of one
+    token) come first and attend together in one call; then each longer chunk attends alone. A sampler
+    (sequence, entry) reads the logits of its entry's last token: the forks of a prompt share its entry.
+    Built on the host, then staged to the device in one copy, from which it has, on the device:
+        idx, positions: (N,) the step's new tokens and their positions in their sequences;
+        logit_rows: (S,) the token whose logits each sampler reads;
+        sample_rows: (S,) each sampler's row in the engine's per-sequence tensors;
+        sample_pos: (S,) the position of the token each sampler draws;
+    and a subclass's own tables (host_tables)."""
+
+    def __init__(self, plan, samplers, device):
+        num_cached = torch.tensor([e.sequence.num_computed for e in plan])  # (R,)
+        num_new = torch.tensor([e.num_tokens for e in plan])  # (R,)
+        ends = num_new.cumsum(0)  # (R,) each entry's end in the step's tokens
+        starts = ends - num_new
+        self.entry = torch.repeat_interleave(torch.arange(len(plan)), num_new)  # (N,) each token's plan entry
+        self.host_positions = num_cached[self.entry] + torch.arange(len(self.entry)) - starts[self.entry]  # (N,)
+        self.kv_lens = num_cached + num_new  # (R,) keys each entry has after this step
+        self.num_one_token = int((num_new == 1).sum())  # NOTE: the plan puts them first
+        self.spans = list(zip(starts.tolist(), ends.tolist()))  # (start, end) of each entry's new tokens
+        self.chunks = [Chunk(i, *self.spans[i], int(num_cached[i])) for i in range(self.num_one_token, len(plan))]
+        tokens = [
+            t for e in plan for t in e.sequence.tokens[e.sequence.num_computed : e.sequence.num_computed + e.num_tokens]
+        ]
+        entries = torch.tensor([x.entry for x in samplers], dtype=torch.long)
+        host = dict(
+            idx=torch.tensor(tokens),
+            positions=self.host_positions,
+            logit_rows=(ends - 1)[entries],
+            sample_rows=torch.tensor([x.sequence.row for x in samplers]),
+            sample_pos=self.kv_lens[entries],
+            **self.host_tables(plan),
+        )
+        vars(self).update(stage(host, device))
+
+    def host_tables(self, plan):  # hook: a subclass's own tables, {name: host tensor}, staged with the rest
+        return {}
+
+    def store(self, layer, k, v):  # hook: keep one layer's new K/V, k, v: (N, H, D)
+        raise NotImplementedError
+
+    def attend_one_token(self, layer, q):  # hook: q (S, H, D) -> (S, H, D), the one-token entries' attention
+        raise NotImplementedError
+
+    def chunk_kv(self, layer, entry):  # hook: the keys and values a chunk attends, its own too: (1, L, H, D) each
+        raise NotImplementedError
+
+    def attend(self, layer, q, k, v):
+        """q, k, v: (N, H, D) for the step's new tokens -> (N, H, D)."""
+        self.store(layer, k, v)
+        out = []
+        if self.num_one_token:
+            out.append(self.attend_one_token(layer, q[: self.num_one_token]))
+        for chunk in self.chunks:
+            out.append(self.attend_chunk(layer, chunk, q, k, v))
+        return torch.cat(out) if len(out) > 1 else out[0]
+
+    def attend_chunk(self, layer, chunk, q, k, v):
+        """One prefill chunk's attention: q, k, v: (N, H, D) -> (n, H, D) for its n new tokens."""
+        a, b = chunk.start, chunk.end
+        if chunk.num_cached == 0:  # a fresh chunk sees only itself: causal attention over its own new K/V
+            qc, kc, vc = (t[None, a:b].transpose(1, 2) for t in (q, k, v))  # (1, H, n, D): CPU flash needs 4-D
+            y = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True)
+            return y[0].transpose(0, 1)
+        keys, values = self.chunk_kv(layer, chunk.entry)  # a chunk after cached tokens reads them back
+        return attend(q[None, a:b], keys, values, self.positions[None, a:b])[0]

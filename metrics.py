@@ -1,0 +1,188 @@
+"""What the experiments measure of a run, from outside the engine: Meter listens to the engine's steps, and
+metrics() turns what it heard into the table's figures (vLLM's benchmark names: TTFT, TPOT, latency)."""
+
+import math
+
+import numpy as np
+
+from contiguous import ContiguousEngine
+from engine import Observer, SequenceStatus
+from paged import blocks_for
+from scheduler import PagedEngine
+
+
+class Meter(Observer):
+    """What the experiments read of an engine, heard from it as one of its observers (the engine keeps no
+    measurements): each step's seconds (plan to sampled tokens), running sequences, keys attended and KV
+    slots; prefill tokens; admitted and prefix-cached tokens; preemptions."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.steps = []  # one dict per step
+        self.step_start = None
+        self.prefill_tokens = 0
+        self.admitted_tokens = 0
+        self.cached_tokens = 0  # of the admitted: found in the prefix cache
+        self.num_preemptions = 0
+        engine.observers.append(self)
+
+    def planned(self, plan):
+        self.step_start = self.engine.clock.now()
+        self.prefill_tokens += sum(n for s, n in plan if s.status is SequenceStatus.PREFILLING)
+
+    def sampled(self, plan):
+        engine = self.engine
+        keys = sum(s.num_computed for s, _ in plan)
+        seconds = engine.clock.now() - self.step_start
+        self.steps.append(dict(seconds=seconds, running=len(engine.running), keys=keys, **kv_slots(engine)))
+
+    def admitted(self, group):
+        self.admitted_tokens += sum(len(x.tokens) for x in group)
+        self.cached_tokens += sum(x.num_computed for x in group)
+
+    def preempted(self, sequence):
+        self.num_preemptions += 1
+
+
+def kv_slots(engine):
+    """KV token slots: allocated, holding a token's K/V (once, however many sequences share it), and
+    allocated ahead of the tokens to come (a paged prompt's blocks, a contiguous reservation)."""
+    used = sum(s.num_computed for s in engine.running)
+    if isinstance(engine, ContiguousEngine):  # unbudgeted, torch.cat holds just the tokens
+        allocated = used if engine.kv_budget is None else engine.reserved
+        return dict(allocated=allocated, used=used, ahead=allocated - used)
+    bs, full, partial = engine.block_size, set(), {}
+    for s in engine.running:  # a shared block is full, or the shared last block of forks that have not written
+        k, n = divmod(s.num_computed, bs)
+        full.update(s.block_table[:k])
+        partial.update({s.block_table[k]: n} if n else {})
+    used = len(full) * bs + sum(n for block, n in partial.items() if block not in full)
+    allocated = (engine.allocator.num_blocks - engine.allocator.num_free()) * bs
+    ahead = sum(len(s.block_table) - blocks_for(s.num_computed, bs) for s in engine.running) * bs
+    return dict(allocated=allocated, used=used, ahead=ahead)
+
+
+def returned(r):
+    """What a request gives back: its n samples, or its one sequence (the best beam; the JSON lists all)."""
+    return r.sequences if r.n > 1 else r.sequences[:1]
+
+
+LABELS = {
+    "contiguous": "contiguous",
+    "contiguous_max": "contiguous, reserve max",
+    "paged": "paged",
+    "contiguous_pow2": "contiguous, reserve pow2",
+    "contiguous_oracle": "contiguous, reserve oracle",
+    "paged_prefix": "paged + prefix cache",
+}
+TABLE_KEYS = [
+    "same_output_pct",
+    "output_tokens",
+    "wall_s",
+    "output_tok_s",
+    "ttft_ms_mean",
+    "ttft_ms_p90",
+    "ttft_ms_p99",
+    "tpot_ms_mean",
+    "latency_ms_mean",
+    "latency_ms_p50",
+    "latency_ms_p90",
+    "latency_ms_p99",
+    "normalized_latency_ms",
+    "request_rate",
+    "steps",
+    "prefill_tokens",
+    "prefix_hit_rate",
+    "preemptions",
+    "running_peak",
+    "running_mean",
+    "kv_budget_slots",
+    "kv_used_pct_mean",
+    "kv_slots_allocated_peak",
+    "kv_slots_used_peak",
+    "kv_waste_pct",
+    "kv_ahead_pct",
+    "num_blocks",
+    "block_size",
+]
+
+
+def percentile(values, p):
+    """Linear interpolation between closest ranks (numpy's default; Hyndman and Fan's type 7), used for
+    every percentile here: with two values, p90 lies 90% of the way from the smaller to the larger."""
+    return float(np.percentile(values, p)) if values else None
+
+
+def mean(values):
+    values = list(values)
+    return sum(values) / len(values) if values else None
+
+
+def metrics(meter, wall_s, rate, kv_budget):
+    engine, reqs, stats = meter.engine, meter.engine.finished, meter.steps
+    out = sum(len(s.generated) for r in reqs for s in returned(r))
+    ttft = [(r.first_token_at - r.arrival) * 1000 for r in reqs]
+    latency = [(r.done_at - r.arrival) * 1000 for r in reqs]  # end to end, from arrival to the last token
+    tpot = [(r.done_at - r.first_token_at) * 1000 / (len(r.generated) - 1) for r in reqs if len(r.generated) > 1]
+    peak = max(stats, key=lambda s: s["allocated"])
+    m = dict(
+        output_tokens=out,
+        wall_s=wall_s,
+        output_tok_s=out / wall_s,
+        ttft_ms_mean=mean(ttft),
+        ttft_ms_p90=percentile(ttft, 90),
+        ttft_ms_p99=percentile(ttft, 99),
+        tpot_ms_mean=mean(tpot),  # None (not applicable) when no request made a second token
+        latency_ms_mean=mean(latency),
+        latency_ms_p50=percentile(latency, 50),
+        latency_ms_p90=percentile(latency, 90),
+        latency_ms_p99=percentile(latency, 99),
+        normalized_latency_ms=mean(t / len(r.generated) for t, r in zip(latency, reqs)),
+        request_rate=rate,
+        steps=len(stats),
+        prefill_tokens=meter.prefill_tokens,
+        preemptions=meter.num_preemptions,
+        running_peak=max(s["running"] for s in stats),
+        running_mean=mean(s["running"] for s in stats),
+        kv_budget_slots=kv_budget,
+        kv_used_pct_mean=100 * mean(s["used"] / (kv_budget or max(1, s["allocated"])) for s in stats),
+        kv_slots_allocated_peak=peak["allocated"],
+        kv_slots_used_peak=peak["used"],
+        # at peak allocation: unfilled tails of last blocks (fragmentation), and blocks held ahead of prefill
+        kv_waste_pct=100 * (peak["allocated"] - peak["used"] - peak["ahead"]) / max(1, peak["allocated"]),
+        kv_ahead_pct=100 * peak["ahead"] / max(1, peak["allocated"]),
+        prefix_hit_rate=None,
+    )
+    if isinstance(engine, PagedEngine):
+        m.update(
+            num_blocks=engine.allocator.num_blocks,
+            block_size=engine.block_size,
+            prefix_hit_rate=meter.cached_tokens / max(1, meter.admitted_tokens),
+        )
+    return m
+
+
+def cell(v):
+    if v is None:
+        return "—"
+    if isinstance(v, int) or math.isinf(v):
+        return f"{v:,}"
+    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:,.2f}"
+
+
+def table(runs):
+    """One column per run, then each run's speed relative to the first."""
+    names = list(runs)
+    width = max(len(LABELS[n]) for n in names) + 2
+    rows = [f"{'metric':<24}" + "".join(f"{LABELS[n]:>{width}}" for n in names)]
+    rows += [f"{k:<24}" + "".join(f"{cell(runs[n].get(k)):>{width}}" for n in names) for k in TABLE_KEYS]
+    first = runs[names[0]]["output_tok_s"]
+    rows += (
+        [
+            f"output tok/s relative to {LABELS[names[0]]}: "
+            + ", ".join(f"{LABELS[n]} {runs[n]['output_tok_s'] / first:.2f}x" for n in names[1:])
+        ]
+        if len(names) > 1
+        else []
+    )
+    return "\n".join(rows)

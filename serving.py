@@ -1,0 +1,134 @@
+"""Serving a workload: seeded prompts cut from held-out Shakespeare, Poisson arrivals, an engine built from
+the command line's flags, warmed up untimed, then stepped as requests arrive, with a Meter listening."""
+
+import math
+import random
+import sys
+import threading
+import time
+
+from checkpoints import shakespeare
+from contiguous import ContiguousEngine
+from engine import Request
+from metrics import Meter, metrics
+from paged import blocks_for
+from scheduler import PagedEngine
+
+
+def workload(enc, args):
+    """Prompts cut from the held-out plays, seeded; each request generates exactly its drawn count. Raises
+    ValueError, in one line, for a workload the text cannot hold."""
+    rng = random.Random(args.seed)
+    val = enc.encode_ordinary(shakespeare()[1])
+    (lo, hi), shared = args.prompt_len, args.shared_prefix
+    if shared >= hi:
+        raise ValueError(
+            f"--shared-prefix {shared} must be shorter than the --prompt-len maximum {hi}: every prompt has a token of its own"
+        )
+    if shared + hi >= len(val):
+        raise ValueError(
+            f"--shared-prefix {shared} + --prompt-len maximum {hi} do not fit in the {len(val):,} tokens of held-out text"
+        )
+    prompts, news = [], []
+    for _ in range(args.num_requests):
+        start = rng.randrange(shared, len(val) - hi)
+        prompts.append(val[:shared] + val[start : start + max(1, rng.randint(lo, hi) - shared)])
+        news.append(rng.randint(*args.new_tokens))
+    return prompts, news
+
+
+def arrivals(n, rate, seed):
+    """Poisson arrivals, in seconds from the start: exponential gaps, seeded. Rate inf: all at 0."""
+    rng, t, times = random.Random(seed), 0.0, []
+    for _ in range(n):
+        t += 0.0 if math.isinf(rate) else rng.expovariate(rate)
+        times.append(t)
+    return times
+
+
+def make_engine(model, kind, args, prompts, news, vocab_size):
+    if kind.startswith("contiguous"):
+        return ContiguousEngine(model, args.max_batch, vocab_size, args.kv_budget, kind.partition("_")[2] or "max")
+    num_blocks = args.kv_budget // args.block_size if args.kv_budget else args.num_blocks
+    if not num_blocks:  # default: a pool that holds every sequence at once
+        width = max(args.num_samples, args.num_beams)
+        num_blocks = sum(blocks_for(len(p) + n - 1, args.block_size) for p, n in zip(prompts, news)) * width
+    return PagedEngine(
+        model,
+        num_blocks,
+        args.block_size,
+        args.token_budget,
+        args.max_batch,
+        kind == "paged_prefix",
+        args.compile,
+        vocab_size=vocab_size,
+    )
+
+
+def warm_up(engine, num_sequences):
+    """Compile the paged engine's decode attention before anything is timed, if its steps will use it,
+    with a line that counts the seconds: the first compile on a machine takes ~20 s on a CPU, and
+    inductor's on-disk cache (under /tmp/torchinductor_$USER) brings later ones to a few seconds. It
+    serves one-token prompts through `engine`, which is then spent: time a fresh one."""
+    if (
+        not isinstance(engine, PagedEngine)
+        or engine.compile == "off"
+        or min(engine.max_running, num_sequences) < engine.compile_from
+    ):
+        return
+    what = f"compiling decode attention (torch.compile, {engine.device.type}, {engine.k_pool.dtype})"
+    start, done = time.time(), threading.Event()
+
+    def tick():  # on a terminal, the seconds so far on one line
+        while not done.wait(1.0):
+            print(f"\r{what}: {time.time() - start:.0f} s", end="", flush=True)
+
+    if not sys.stdout.isatty():
+        print(f"{what} ...", flush=True)
+    ticker = threading.Thread(target=tick, daemon=True)
+    if sys.stdout.isatty():
+        ticker.start()
+    engine.run([Request([0], 1) for _ in range(max(2, engine.compile_from))])  # one step of one-token rows
+    done.set()
+    print(f"\r{what}: done in {time.time() - start:.1f} s", flush=True)
+
+
+def make_requests(args, prompts, news):
+    return [
+        Request(
+            p,
+            n,
+            args.temperature,
+            args.top_k,
+            seed=args.seed + i * args.num_samples,
+            n=args.num_samples,
+            num_beams=args.num_beams,
+            length_penalty=args.length_penalty,
+            eos=args.eos,
+        )
+        for i, (p, n) in enumerate(zip(prompts, news))
+    ]
+
+
+def arrive(engine, requests, times):
+    """Add each request to the engine at its arrival (clock seconds) and step it until all are done; an
+    idle engine sleeps until the next arrival. Yields after every step."""
+    pending = sorted(zip(times, range(len(requests))))[::-1]  # the next arrival last
+    while pending or engine.waiting or engine.running:
+        while pending and pending[-1][0] <= engine.clock.now():
+            at, i = pending.pop()
+            engine.add(requests[i], at)
+        if engine.waiting or engine.running:
+            engine.step()
+            yield
+        else:
+            engine.clock.sleep(max(0.0, pending[-1][0] - engine.clock.now()))
+
+
+def serve(engine, requests, args, rate):
+    """Run one engine over the requests, arriving at `rate` -> its metrics and its steps."""
+    meter, start = Meter(engine), engine.clock.now()
+    for _ in arrive(engine, requests, [start + t for t in arrivals(len(requests), rate, args.seed)]):
+        pass
+    wall_s = engine.clock.now() - start  # every step ends in a host transfer
+    return metrics(meter, wall_s, rate, args.kv_budget), meter.steps
