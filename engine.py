@@ -96,7 +96,7 @@ class Sampler(NamedTuple):
 
 
 class Observer:
-    """What an engine tells its observers (generate.py's Meter, PoolMap), in the order a step meets it.
+    """What an engine tells its observers (metrics.Meter, plots.PoolMap), in the order a step meets it.
     A subclass overrides what it needs; the engine itself keeps no measurements."""
 
     def planned(self, plan):  # the step's plan, before the forward

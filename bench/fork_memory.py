@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from checkpoints import get_tokenizer, load_checkpoint
 from engine import Request
-from generate import span
+from generate import check_image_name, fail, number_type, prepare_output, span
 from metrics import Meter
 from model import prepack
 from scheduler import PagedEngine
@@ -47,7 +47,10 @@ def run(model, requests, vocab_size, width):
     )
     meter = Meter(engine)
     for r in requests:
-        engine.add(r)
+        try:
+            engine.add(r)
+        except ValueError as e:  # a request the model cannot hold: one line, as generate.py, before any step
+            fail(e)
     shared, private, start = [], [], time.perf_counter()
     while engine.running or engine.waiting:
         engine.step()
@@ -58,26 +61,48 @@ def run(model, requests, vocab_size, width):
     return seconds, shared, private
 
 
-def main():
+def parser():
+    """Every flag, with its default and its help."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.error = lambda message: fail(message)  # one line, no usage dump, as generate.py
     p.add_argument(
         "--ckpt",
         default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "models", "tiny-shakespeare.pt"),
     )
-    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--num-requests", type=number_type(1), default=32)
     p.add_argument("--plot", help="draw blocks in use per step, shared against private, to this image")
     p.add_argument("--prompt-len", type=span, default=(16, 128), help="MIN:MAX prompt tokens")
     p.add_argument("--new-tokens", type=span, default=(16, 128), help="MIN:MAX new tokens")
-    args = p.parse_args()
+    return p
+
+
+def parse_args(argv=None):
+    """The flags, checked before the run: the --plot image's name, and its folder, made now if missing (or a
+    one-line error), not found missing at savefig after the whole run."""
+    args = parser().parse_args(argv)
+    if args.plot:
+        check_image_name("--plot", args.plot)
+        prepare_output("--plot", args.plot)
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
     (a, b), (c, d) = args.prompt_len, args.new_tokens
     shape = f"{args.num_requests} requests, prompts {a}-{b} tokens, {c}-{d} new"
-    model = load_checkpoint(args.ckpt)
+    try:
+        model = load_checkpoint(args.ckpt)
+    except ValueError as e:
+        fail(e)
     prepack(model)
     enc = get_tokenizer(model.config.vocab_size)
     spec = SimpleNamespace(
         seed=1, prompt_len=args.prompt_len, new_tokens=args.new_tokens, num_requests=args.num_requests, shared_prefix=0
     )
-    prompts, news = workload(enc, spec)
+    try:
+        prompts, news = workload(enc, spec)
+    except ValueError as e:  # a workload the held-out text cannot hold
+        fail(e)
     print(
         f"{shape}, block size 16, {args.ckpt}, "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, {time.strftime('%Y-%m-%d')}"

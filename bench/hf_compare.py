@@ -30,6 +30,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from checkpoints import get_tokenizer, load_checkpoint, shakespeare
 from engine import Request
+from generate import prepare_output
 from model import GPT, GPTConfig, prepack
 from scheduler import PagedEngine
 
@@ -127,7 +128,7 @@ def main():
     p.add_argument("--rows", default="equal,mixed,samples4,beams4", help="comma-separated: " + ", ".join(SETTINGS))
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    os.makedirs(os.path.dirname(args.ckpt) or ".", exist_ok=True)
+    prepare_output("--ckpt", args.ckpt)  # the folder the random weights are saved to, or one line now
     ours, hf = make_models(args.ckpt)
     import transformers
 

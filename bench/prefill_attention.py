@@ -1,4 +1,4 @@
-"""Prefill attention on the CPU: the engine's SDPA calls against the alternatives of issue 26, item 3.
+"""Prefill attention on the CPU: the engine's SDPA calls against the two alternatives below.
 
     python bench/prefill_attention.py [--repeats 3]
 

@@ -4,10 +4,10 @@
 
 Each shape is a random-weight GPT with GPT-2's padded 50,304-id vocabulary (50,257 real ids): "tiny" is
 the shipped model's 4 layers x 128, where the lm_head and sampling are most of a decode step; "gpt2" is
-GPT-2 small's 12 x 768. The workload is #21's: 64 prompts of 16 tokens cut from the held-out plays, 128
-new tokens each, all at once, one PagedEngine with its defaults. Greedy and sampled (temperature 0.8,
-top-k 200, a seed per request) alternate in one process after a warm-up of each; the ratio is taken per
-repeat. sample() is timed around the engine's own call, per step, median over the run.
+GPT-2 small's 12 x 768. The workload is the one bench/floor.py samples on: 64 prompts of 16 tokens cut
+from the held-out plays, 128 new tokens each, all at once, one PagedEngine with its defaults. Greedy and
+sampled (temperature 0.8, top-k 200, a seed per request) alternate in one process after a warm-up of each;
+the ratio is taken per repeat. sample() is timed around the engine's own call, per step, median over the run.
 
 A third run per repeat, "sampled, two-level top-k", swaps torch.topk for an exact two-level selection
 while the engine samples (two_level_topk below): measured, not in the engine (see the README). The

@@ -63,7 +63,7 @@ def parse(name):
 
 def prompts_for(workload, seed):
     sys.path.insert(0, ROOT)
-    from train_tiny import get_tokenizer, shakespeare
+    from checkpoints import get_tokenizer, shakespeare
 
     val = get_tokenizer(50257).encode_ordinary(shakespeare()[1])
     n, (lo, hi), _ = WORKLOADS[workload]
@@ -83,8 +83,8 @@ def export(shape):
         sys.path.insert(0, ROOT)
         import torch
 
+        from checkpoints import export_hf
         from model import GPT, GPTConfig
-        from train_tiny import export_hf
 
         n_layer, n_head, n_embd = SHAPES[shape]
         torch.manual_seed(0)

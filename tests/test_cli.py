@@ -1,4 +1,4 @@
-"""The command line a newcomer meets: one-line errors, honest metrics, padded vocabularies, Ctrl-C (issue 11)."""
+"""The command line a newcomer meets: one-line errors, honest metrics, padded vocabularies, Ctrl-C."""
 
 import json
 

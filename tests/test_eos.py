@@ -1,4 +1,4 @@
-"""Stopping at end of text (eos, as HF's eos_token_id): plain, sampled and forked requests (issue 27)."""
+"""Stopping at end of text (eos, as HF's eos_token_id): plain, sampled and forked requests."""
 
 import random
 

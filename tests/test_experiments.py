@@ -1,4 +1,4 @@
-"""KV budgets, reservation baselines and online arrivals (issue 10)."""
+"""KV budgets, reservation baselines and online arrivals."""
 
 import hashlib
 import json

@@ -1,4 +1,4 @@
-"""Export to the Hugging Face GPT-2 format: transformers loads it and generates our tokens (issue 19)."""
+"""Export to the Hugging Face GPT-2 format: transformers loads it and generates our tokens."""
 
 import os
 

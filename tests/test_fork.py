@@ -1,4 +1,4 @@
-"""Fork with copy-on-write: n samples of one prompt, and beam search, on shared blocks (issue 17)."""
+"""Fork with copy-on-write: n samples of one prompt, and beam search, on shared blocks."""
 
 import itertools
 import random

@@ -1,4 +1,4 @@
-"""Loading Hugging Face GPT-2 folders (--ckpt DIR): logits and greedy tokens equal HF's, for both GELUs (issue 27)."""
+"""Loading Hugging Face GPT-2 folders (--ckpt DIR): logits and greedy tokens equal HF's, for both GELUs."""
 
 import json
 

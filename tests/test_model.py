@@ -1,4 +1,4 @@
-"""The tiny GPT, its checkpoints, the tokenizer, sampling and the CLI's errors (issue 2)."""
+"""The tiny GPT, its checkpoints, the tokenizer, sampling and the CLI's errors."""
 
 import json
 

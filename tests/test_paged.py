@@ -1,4 +1,4 @@
-"""The paged pool, the LIFO allocator, write/gather, gather-attend and the fused scheduler (issues 3, 6)."""
+"""The paged pool, the LIFO allocator, write/gather, gather-attend and the fused scheduler."""
 
 import math
 import random

@@ -1,4 +1,4 @@
-"""Hashed prefix caching: sharing, chaining, reference counts and eviction (issue 4)."""
+"""Hashed prefix caching: sharing, chaining, reference counts and eviction."""
 
 import random
 

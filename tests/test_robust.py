@@ -1,4 +1,4 @@
-"""Never stuck, never wrong: preemption, refusals, randomized invariants and a soak (issue 5)."""
+"""Never stuck, never wrong: preemption, refusals, randomized invariants and a soak."""
 
 import random
 import re

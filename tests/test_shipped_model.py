@@ -1,4 +1,4 @@
-"""The tiny Shakespeare model that ships in models/: what the first `python generate.py --paged` runs (issue 27)."""
+"""The tiny Shakespeare model that ships in models/: what the first `python generate.py --paged` runs."""
 
 import pytest
 import torch
