@@ -1,9 +1,13 @@
-"""What the benchmarks claim about their own alternatives: the two-level top-k of bench/sampling.py is exact."""
+"""What the benchmarks claim about their own alternatives: the two-level top-k of bench/sampling.py is exact,
+and bench/compile_graph.py's one-graph forward computes what the engine computes."""
 
 import pytest
 import torch
+import torch._inductor.config
+from conftest import make_requests, run_engine
 
 from bench.sampling import two_level_topk
+from scheduler import PagedEngine
 
 
 @pytest.mark.parametrize("vocab", [50304, 50257, 3300, 100])
@@ -18,3 +22,28 @@ def test_two_level_topk_selects_exactly_what_torch_topk_does(vocab, k):
         assert torch.equal(values, expected)  # the same k values, sorted, ties included
         assert torch.equal(logits.gather(1, ids), values)  # each id holds its value
         assert all(len(set(row)) == k for row in ids.tolist())  # no column twice
+
+
+def test_one_graph_forward_equals_eager_and_compiles_no_new_graph_as_steps_change(model):
+    """bench/compile_graph.py's whole forward as one graph, attention as an op: token for token the eager
+    engine's output, in float64, and once warm, steps of other token counts, chunks, samplers and block
+    tables compile nothing new."""
+    from torch._dynamo.utils import counters
+
+    from bench.compile_graph import graph_forward
+
+    def run(prompts, news, forward=None):
+        engine = PagedEngine(model, 80, block_size=4, token_budget=24)
+        if forward is not None:
+            engine.model = lambda idx, batch: (forward(batch), None)
+        return run_engine(engine, make_requests(prompts, news), check=True)
+
+    warm = [[7, 8, 9], [1] * 11]
+    prompts = [list(range(1, 30)), [5], [3, 1, 4, 1, 5, 9, 2, 6], list(range(40, 50))]
+    news = [6, 9, 4, 12]
+    forward = graph_forward(model)
+    with torch._inductor.config.patch(freezing=True):
+        assert run(warm, [3, 5], forward) == run(warm, [3, 5])
+        graphs = counters["stats"]["unique_graphs"]
+        assert run(prompts, news, forward) == run(prompts, news)
+    assert counters["stats"]["unique_graphs"] == graphs

@@ -1,0 +1,150 @@
+"""The whole forward as ONE compiled graph, with the step's attention as a custom op, as vLLM V1 builds its
+CPU step, against the engine as it runs (eager around prepacked oneDNN GEMMs and the compiled decode
+attention), on bench/vllm_compare.py's workloads and weights.
+
+    python bench/compile_graph.py [--workloads tiny/decode,tiny/mixed,gpt2/decode] [--dtype float32] [--repeats 3]
+
+The graph is torch.compile(model.forward, dynamic=True) with inductor's freezing (weights constant and
+prepacked by inductor, the small ops between GEMMs fused). The model's seam stays batch.attend(layer, q, k,
+v): the graph gets a GraphBatch whose attend calls the op nanogpt::attend(q, k, v, layer), which dynamo
+cannot see into; the op runs the step's real StepBatch, set in a context before the forward, so the
+step's tables never enter the graph or its guards (vLLM's unified_attention works the same way). Token
+and sampler counts are padded to at least 2, so that no size of 1 specializes the graph. The graphed
+model is not prepacked: freezing packs its own weights. The graph count is printed after the warm-up and
+after the timed runs: a rise means recompiles. Both variants warm up on other prompts (the compile is
+timed), then alternate in one process, greedy; the ratio is taken per repeat, and outputs are compared
+token for token.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from typing import NamedTuple
+
+import torch
+import torch._inductor.config
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from bench.vllm_compare import WORKLOADS, cpu_line, export, parse, prompts_for
+from checkpoints import load_checkpoint
+from engine import Request
+from model import prepack
+from paged import blocks_for
+from scheduler import PagedEngine
+
+MIN_SIZE = 2  # a dimension of size 1 would specialize the graph
+
+
+class ForwardContext:
+    batch = None  # the StepBatch of the forward running now: the attention op reads it
+
+
+@torch.library.custom_op("nanogpt::attend", mutates_args=())
+def attend_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    """q, k, v: (N', H, D), padded past the step's N tokens -> (N', H, D): the step's attention, which
+    writes the layer's new K/V into the pool and reads the cached ones, through the real batch."""
+    batch = ForwardContext.batch
+    n = len(batch.host_positions)
+    out = batch.attend(layer, q[:n], k[:n], v[:n])
+    return F.pad(out, (0, 0, 0, 0, 0, q.shape[0] - n))
+
+
+@attend_op.register_fake
+def _(q, k, v, layer):
+    return torch.empty_like(q)
+
+
+class GraphBatch(NamedTuple):
+    """What the graph sees of the step: positions (N',) and logit rows (S',), padded."""
+
+    positions: torch.Tensor
+    logit_rows: torch.Tensor
+
+    def attend(self, layer, q, k, v):
+        return attend_op(q, k, v, layer)
+
+
+def graph_forward(model):
+    """-> forward(batch) -> logits (S, V), through one compiled graph of the whole model."""
+    compiled = torch.compile(model.forward, dynamic=True)
+
+    def forward(batch):
+        n = batch.idx.shape[0]
+        S = batch.logit_rows.shape[0]
+        idx = F.pad(batch.idx, (0, max(n, MIN_SIZE) - n))
+        positions = F.pad(batch.positions, (0, max(n, MIN_SIZE) - n))
+        logit_rows = F.pad(batch.logit_rows, (0, max(S, MIN_SIZE) - S))
+        ForwardContext.batch = batch
+        try:
+            logits, _ = compiled(idx, batch=GraphBatch(positions, logit_rows))
+        finally:
+            ForwardContext.batch = None
+        return logits[:S]
+
+    return forward
+
+
+def serve(model, forward, prompts, new_tokens):
+    """-> (output tok/s, outputs), one PagedEngine with vLLM's step budget; forward replaces the model's call."""
+    num_blocks = sum(blocks_for(len(p) + new_tokens, 16) for p in prompts)
+    engine = PagedEngine(model, num_blocks, token_budget=4096, vocab_size=50257)
+    if forward is not None:
+        engine.model = lambda idx, batch: (forward(batch), None)
+    requests = [Request(p, new_tokens) for p in prompts]
+    start = time.perf_counter()
+    engine.run(requests)
+    return len(prompts) * new_tokens / (time.perf_counter() - start), [r.generated for r in requests]
+
+
+def fmt(xs, unit=""):
+    return f"{statistics.median(xs):,.2f}{unit} ({min(xs):,.2f}-{max(xs):,.2f})"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workloads", default="tiny/decode,tiny/mixed,gpt2/decode")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
+    torch._inductor.config.freezing = True
+    dtype = getattr(torch, args.dtype)
+    print(f"$ python bench/compile_graph.py --workloads {args.workloads} --dtype {args.dtype} --repeats {args.repeats}")
+    print(f"{cpu_line()}; torch {torch.__version__}, {torch.get_num_threads()} threads, {time.strftime('%Y-%m-%d')}")
+    for name in args.workloads.split(","):
+        shape, key, _, _ = parse(name)
+        timed, warm, new_tokens = prompts_for(key, 1), prompts_for(key, 2), WORKLOADS[key][2]
+        eager_model = load_checkpoint(export(shape)).to(dtype)
+        prepack(eager_model)
+        graph_model = load_checkpoint(export(shape)).to(dtype)
+        variants = {"eager": (eager_model, None), "graph": (graph_model, graph_forward(graph_model))}
+        warm_s = {}
+        for label, (model, forward) in variants.items():
+            start = time.perf_counter()
+            serve(model, forward, warm, min(new_tokens, 8))
+            warm_s[label] = time.perf_counter() - start
+        graphs_warm = counters["stats"]["unique_graphs"]
+        speeds, outputs = {label: [] for label in variants}, {}
+        for repeat in range(args.repeats):
+            for label in list(variants)[:: 1 if repeat % 2 == 0 else -1]:
+                tok_s, outputs[label] = serve(*variants[label], timed, new_tokens)
+                speeds[label].append(tok_s)
+        ratios = [g / e for g, e in zip(speeds["graph"], speeds["eager"])]
+        same = sum(a == b for a, b in zip(outputs["graph"], outputs["eager"]))
+        print(
+            f"--- {name} ({args.dtype}), {len(timed)} prompts, {new_tokens} new, greedy; output tok/s, median (min-max)"
+        )
+        for label in variants:
+            print(f"  {label:<6} {fmt(speeds[label])}  (warm-up {warm_s[label]:.1f} s)")
+        print(
+            f"  graph / eager: {fmt(ratios, 'x')} per repeat; equal outputs {same}/{len(timed)}; graphs compiled "
+            f"{graphs_warm} after warm-up, {counters['stats']['unique_graphs']} after the timed runs",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
