@@ -2,7 +2,9 @@
 plan -> batch -> forward -> sample -> bookkeeping. A subclass decides what runs (schedule) and where K/V
 live (make_batch, fork_kv, release): PagedEngine (scheduler.py) and ContiguousEngine (contiguous.py)."""
 
+import ctypes
 import math
+import sys
 import time
 from collections import deque
 from enum import Enum
@@ -121,6 +123,16 @@ class Observer:
 WALL_CLOCK = SimpleNamespace(now=time.perf_counter, sleep=time.sleep)  # the harness sleeps; tests swap in fakes
 
 
+def keep_freed_memory():
+    """On Linux, memory a step frees stays in the process, for the next step's activations of the same sizes:
+    by default glibc unmaps large blocks on free, and every step page-faults them back in (docs/vllm.md).
+    It sets the whole process's allocator; elsewhere it does nothing."""
+    if sys.platform == "linux":
+        libc = ctypes.CDLL(None)
+        libc.mallopt(-4, 0)  # M_MMAP_MAX: large blocks come from the heap, not from mmap
+        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: up to 1 GiB of the heap's free top is kept
+
+
 class Engine:
     """Runs requests to completion. Subclasses choose each step's tokens (schedule) and keep K/V (make_batch,
     fork_kv, release)."""
@@ -136,6 +148,7 @@ class Engine:
         self.vocab_size = vocab_size or model.config.vocab_size
         self.device = model.lm_head.weight.device
         self.clock = clock or WALL_CLOCK
+        keep_freed_memory()
         self.observers = []
         self.waiting = deque()  # sequences
         self.running = []  # sequences, oldest admitted first
@@ -251,8 +264,7 @@ class Engine:
 
     def sample(self, logits, batch, samplers):
         """A token for every sampler, drawn on the device from its row's settings -> a list: one transfer."""
-        requests = [s.request for s, _ in samplers]
-        sampled_top_ks = [r.top_k or self.vocab_size for r in requests if r.temperature > 0]
+        sampled_top_ks = [s.request.top_k or self.vocab_size for s, _ in samplers if s.request.temperature > 0]
         cut_top_ks = [k for k in sampled_top_ks if k < self.vocab_size]
         max_top_k = max(cut_top_ks, default=0)
         uncut = len(cut_top_ks) < len(sampled_top_ks)

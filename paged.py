@@ -195,8 +195,7 @@ class PagedBatch(StepBatch):
             B = max(S, MIN_COMPILED_SIZE)
             W = max(one_token_table.shape[1], MIN_COMPILED_SIZE)
             padding = (0, W - one_token_table.shape[1], 0, B - S)
-            padding_block = self.k_pool.shape[1] - 1  # the pool's last block
-            one_token_table = F.pad(one_token_table, padding, value=padding_block)
+            one_token_table = F.pad(one_token_table, padding, value=self.k_pool.shape[1] - 1)  # the padding block
             one_token_len = F.pad(one_token_len, (0, B - S), value=1)
         return dict(slots=slots, table=table, one_token_table=one_token_table, one_token_len=one_token_len)
 

@@ -3,8 +3,6 @@ decoding sequence's next token, then prefill chunks of admitted sequences, then 
 token_budget tokens in all. Admission waits until free blocks cover a sequence (backpressure); a full pool
 preempts the newest sequence, to be recomputed. K/V live in the block pool (paged.py)."""
 
-import itertools
-
 import torch
 
 from engine import Engine, PlanEntry, SequenceStatus
@@ -30,8 +28,9 @@ class PagedEngine(Engine):
         self.prefix_cache = prefix_cache
         self.compile = compile
         self.allocator = BlockAllocator(num_blocks, block_size)
-        dtype = model.lm_head.weight.dtype
-        self.k_pool, self.v_pool = allocate_pool(model.config, num_blocks, block_size, self.device, dtype)
+        self.k_pool, self.v_pool = allocate_pool(
+            model.config, num_blocks, block_size, self.device, model.lm_head.weight.dtype
+        )
         # auto: compiled decode attention on a GPU, and on a CPU from COMPILE_FROM_ROWS rows
         self.compile_from = 1 if compile == "on" or self.k_pool.is_cuda else COMPILE_FROM_ROWS
         self.max_running = min(max_batch, token_budget)  # so every decoding sequence fits in a step
@@ -93,19 +92,18 @@ class PagedEngine(Engine):
         """Preempt the newest running sequences until a block is free, even after evicting cached ones
         -> whether s still runs."""
         while not self.allocator.can_allocate(1):
-            victims = self.newest_group()
+            victims = self.beam_group(self.running[-1], self.running)  # a beam needs all its group to step
             for victim in reversed(victims):
                 self.preempt(victim)
             if s in victims:
                 return False
         return True
 
-    def newest_group(self):
-        """The newest running sequence, with its beam group: a beam needs all its group to step."""
-        newest = self.running[-1]
-        if newest.request.num_beams == 1:
-            return [newest]
-        return [x for x in self.running if x.request is newest.request]
+    def beam_group(self, s, sequences):
+        """s, with the rest of its beam group among `sequences`, in their order."""
+        if s.request.num_beams == 1:
+            return [s]
+        return [x for x in sequences if x.request is s.request]
 
     def copy_on_write(self, s, k, block):
         """s's block k is shared: copy its K/V into `block`, which s holds alone from now on."""
@@ -125,7 +123,7 @@ class PagedEngine(Engine):
     def admit_next(self):
         """Admit the head of the waiting queue, with its beam group, if rows and blocks allow -> the admitted,
         or none: then it waits, and so does everyone behind it."""
-        group = self.waiting_group()
+        group = self.beam_group(self.waiting[0], self.waiting)  # NOTE: a preempted group waits whole, first
         if sum(x.num_rows() for x in self.running + group) > self.max_running:
             return []
         hits = [self.allocator.cached_prefix(x) if self.prefix_cache else [] for x in group]
@@ -136,13 +134,6 @@ class PagedEngine(Engine):
             self.admit(s, cached)
         self.notify("admitted", group)
         return group
-
-    def waiting_group(self):
-        """The head of the waiting queue, with the rest of its beam group: a preempted group waits whole, first."""
-        head = self.waiting[0]
-        if head.request.num_beams == 1:
-            return [head]
-        return list(itertools.takewhile(lambda x: x.request is head.request, self.waiting))
 
     def has_blocks_for(self, group, hits):
         """Whether free blocks cover the group's tokens less the cached ones, and its forks' copies of a shared
