@@ -18,7 +18,6 @@ token for token.
 
 import argparse
 import os
-import statistics
 import sys
 import time
 from typing import NamedTuple
@@ -29,6 +28,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from bench.compile_step import fmt
 from bench.vllm_compare import WORKLOADS, cpu_line, export, parse, prompts_for
 from checkpoints import load_checkpoint
 from engine import Request
@@ -98,10 +98,6 @@ def serve(model, forward, prompts, new_tokens):
     start = time.perf_counter()
     engine.run(requests)
     return len(prompts) * new_tokens / (time.perf_counter() - start), [r.generated for r in requests]
-
-
-def fmt(xs, unit=""):
-    return f"{statistics.median(xs):,.2f}{unit} ({min(xs):,.2f}-{max(xs):,.2f})"
 
 
 def main():
