@@ -58,10 +58,12 @@ class ContiguousEngine(Engine):
 
     def check(self, r):
         super().check(r)
-        if self.kv_budget is not None and self.reservation(r) > self.kv_budget:
+        need = self.reservation(r) * r.width  # as schedule() reserves: for every sequence it will run
+        if self.kv_budget is not None and need > self.kv_budget:
+            each = f" for each of {r.width} sequences" if r.width > 1 else ""
             raise ValueError(
                 f"a request of {len(r.prompt)} + {r.max_new_tokens} tokens reserves {self.reservation(r)} "
-                f"slots under --reserve {self.reserve}, but the KV budget is {self.kv_budget} slots"
+                f"slots{each} under --reserve {self.reserve}, but the KV budget is {self.kv_budget} slots"
             )
 
     def schedule(self):  # a request reserves for all the sequences it will fork into

@@ -98,8 +98,9 @@ class Sampler(NamedTuple):
 
 
 class Observer:
-    """What an engine tells its observers (metrics.Meter, plots.PoolMap), in the order a step meets it.
-    A subclass overrides what it needs; the engine itself keeps no measurements."""
+    """What an engine tells its observers (metrics.Meter, plots.PoolMap). A step's schedule() admits,
+    preempts and copies on write; then come planned, sampled and stepped. A subclass overrides what it needs;
+    the engine itself keeps no measurements."""
 
     def planned(self, plan):  # the step's plan, before the forward
         pass
@@ -143,7 +144,7 @@ class Engine:
         self.model = model
         self.max_batch = max_batch
         self.max_running = max_batch  # sequences at once
-        self.window = model.config.block_size
+        self.window = model.config.block_size  # the model's context (nanoGPT's name), not a KV block's size
         # ids from vocab_size on are never sampled: nanoGPT pads GPT-2's 50,257 tokens to 50,304 ids
         self.vocab_size = vocab_size or model.config.vocab_size
         self.device = model.lm_head.weight.device
@@ -151,7 +152,7 @@ class Engine:
         keep_freed_memory()
         self.observers = []
         self.waiting = deque()  # sequences
-        self.running = []  # sequences, oldest admitted first
+        self.running = []  # sequences, in the order they started: a fork joins at the tail
         self.finished = []  # requests
         # each running sequence holds a row of these, so a step reads its sampling settings without copying them
         self.free_rows = list(range(max_batch - 1, -1, -1))
@@ -183,8 +184,8 @@ class Engine:
             raise ValueError(f"{why} exceeds the model's context of {self.window} (+1: the last is never fed back)")
         if not (math.isfinite(r.temperature) and r.temperature >= 0) or (r.top_k is not None and r.top_k < 1):
             raise ValueError(f"temperature {r.temperature} must be a finite number >= 0 and top_k {r.top_k} >= 1")
-        greedy = r.n == 1 and r.temperature == 0 and r.top_k is None and r.eos is None
-        if min(r.n, r.num_beams) < 1 or (r.num_beams > 1 and not greedy):
+        beam_ready = r.n == 1 and r.temperature == 0 and r.top_k is None and r.eos is None
+        if min(r.n, r.num_beams) < 1 or (r.num_beams > 1 and not beam_ready):
             why = f"n {r.n} and num_beams {r.num_beams} must be at least 1"
             raise ValueError(f"{why}; beam search is greedy and runs max_new_tokens: no n, temperature, top_k or eos")
         if r.width > self.max_running:
@@ -218,12 +219,13 @@ class Engine:
         self.notify("stepped")
 
     def assign_samplers(self, plan):
-        """-> A sampler for each sequence whose next token this step draws: each sequence whose last tokens go
-        through the forward. A prompt of n samples forks as its last chunk is planned, so that its forks draw
-        in this step too, from its logits; they take its K/V once the forward has written them."""
+        """Fork each prompt of n samples whose last chunk is planned, so that its forks draw in this step too,
+        from its logits (they take its K/V once the forward has written them) -> a sampler for each sequence
+        whose next token this step draws: each sequence whose last tokens go through the forward, and those
+        forks."""
         samplers = []
-        for i, (s, n) in enumerate(plan):
-            if n < s.num_uncomputed():
+        for i, (s, num_tokens) in enumerate(plan):
+            if num_tokens < s.num_uncomputed():
                 continue
             r = s.request
             if r.n > 1 and len(r.sequences) == 1:
@@ -273,8 +275,8 @@ class Engine:
         return sample_tokens(logits, *settings, max_top_k, uncut).tolist()
 
     def append(self, samplers, tokens, logits):
-        """Each token joins its sequence, done at max_new_tokens, and its request when all are. A beam holds its
-        log-probabilities instead; its group steps when all have theirs."""
+        """Each token joins its sequence, done at max_new_tokens or eos, and its request when all are. A beam
+        holds its log-probabilities instead; its group steps when all have theirs."""
         now = self.clock.now()
         beams = [j for j, (s, _) in enumerate(samplers) if s.request.num_beams > 1]
         if beams:  # in float32, as HF's beam search

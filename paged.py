@@ -25,7 +25,7 @@ class BlockAllocator:
     """Clean blocks sit on a LIFO stack: the most recently freed goes out first. A block may have several
     holders (ref_count); a full one, hashed, stays cached after its last holder lets go, and is evicted least
     recently released first, only when no clean block is left.
-    NOTE: the pool's last block, padding_block, is never handed out: padded rows read and write it harmlessly."""
+    NOTE: the pool's last block, padding_block, is never handed out: padded rows of a step read it harmlessly."""
 
     def __init__(self, num_blocks, block_size):
         self.num_blocks = num_blocks
@@ -183,7 +183,7 @@ class PagedBatch(StepBatch):
     def host_tables(self, plan):
         block_size = self.k_pool.shape[2]
         S = self.num_one_token
-        blocks_read = -(-self.kv_lens // block_size)  # (R,)
+        blocks_read = blocks_for(self.kv_lens, block_size)  # (R,)
         self.blocks_read = blocks_read.tolist()
         rows = torch.tensor([e.sequence.row for e in plan])
         table = self.block_tables[rows, : max(self.blocks_read)].long()  # (R, W)
@@ -196,7 +196,7 @@ class PagedBatch(StepBatch):
             W = max(one_token_table.shape[1], MIN_COMPILED_SIZE)
             padding = (0, W - one_token_table.shape[1], 0, B - S)
             one_token_table = F.pad(one_token_table, padding, value=self.k_pool.shape[1] - 1)  # the padding block
-            one_token_len = F.pad(one_token_len, (0, B - S), value=1)
+            one_token_len = F.pad(one_token_len, (0, B - S), value=1)  # one key each: no row softmaxes all -inf
         return dict(slots=slots, table=table, one_token_table=one_token_table, one_token_len=one_token_len)
 
     def store(self, layer, k, v):

@@ -65,8 +65,8 @@ class PagedEngine(Engine):
         return plan
 
     def schedule_decodes(self):
-        """A slot for each decoding sequence's next token, oldest first, so that preemption takes the newest.
-        A reservation may preempt sequences that reserved before it: they leave the plan."""
+        """A slot for each decoding sequence's next token, in the order they started, so that preemption takes
+        the newest started. A reservation may preempt sequences that reserved before it: they leave the plan."""
         decoding = [s for s in self.running if s.status is SequenceStatus.DECODING and s.logprobs is None]
         for s in decoding:
             if s.row is not None:
@@ -129,6 +129,11 @@ class PagedEngine(Engine):
         hits = [self.allocator.cached_prefix(x) if self.prefix_cache else [] for x in group]
         if not self.has_blocks_for(group, hits):
             return []
+        # NOTE: every hit is shared before any member allocates, which could evict a free cached block
+        # that another member of the group is about to share
+        for cached in hits:
+            for block in cached:
+                self.allocator.share(block)
         for s, cached in zip(group, hits):
             self.waiting.popleft()  # the group heads the queue
             self.admit(s, cached)
@@ -163,9 +168,7 @@ class PagedEngine(Engine):
         return False
 
     def admit(self, s, cached):
-        """s starts with the cached blocks heading its tokens, and new blocks for the rest."""
-        for block in cached:
-            self.allocator.share(block)
+        """s starts with the cached blocks heading its tokens, already shared, and new blocks for the rest."""
         num_new = blocks_for(len(s.tokens), self.block_size) - len(cached)
         s.block_table = cached + self.allocator.allocate(num_new)
         s.num_computed = len(cached) * self.block_size

@@ -12,6 +12,7 @@ from test_model import save_nanogpt_ckpt
 import generate
 import serving
 from contiguous import ContiguousEngine
+from engine import Request
 from metrics import Meter
 from scheduler import PagedEngine
 
@@ -168,3 +169,12 @@ def test_sweep_writes_one_point_per_rate_and_a_plot(ckpt64, tmp_path):
         set(p["runs"]) == {"contiguous_max", "contiguous_pow2", "contiguous_oracle", "paged", "paged_prefix"}
         for p in sweep
     )
+
+
+def test_a_request_whose_samples_together_exceed_the_kv_budget_is_refused_in_one_line(model):
+    """The contiguous baseline reserves for every sequence a request will run: a request that fits the budget
+    alone but not with its forks is refused at add(), not left waiting until the engine stalls."""
+    engine = ContiguousEngine(model, max_batch=8, kv_budget=64, reserve="max")  # max: the 64-token context
+    engine.add(Request([1, 2, 3], 4))
+    with pytest.raises(ValueError, match="reserves 64 slots for each of 2 sequences under --reserve max, but the KV"):
+        engine.add(Request([1, 2, 3], 4, temperature=1.0, n=2))

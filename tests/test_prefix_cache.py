@@ -4,7 +4,7 @@ import random
 
 from conftest import baseline, check_invariants, make_requests, run_engine
 
-from engine import Request, RequestStatus
+from engine import Request, RequestStatus, Sequence
 from paged import BlockAllocator
 from scheduler import PagedEngine
 
@@ -97,3 +97,29 @@ def test_same_prefix_admitted_together_is_computed_once(model):
     # the first computes all 25 tokens; the others wait for its six blocks, share them, and compute 1 token each
     assert engine.meter.prefill_tokens == 25 + 1 + 1
     assert engine.meter.cached_tokens == 48
+
+
+def test_a_readmitted_beam_group_keeps_every_members_cached_blocks_while_another_allocates(model):
+    """A beam group is admitted whole: one member's new blocks may come from evicting cached ones, and
+    they must never be the cached blocks another member of the group is about to share. The pool holds
+    exactly what the group needs: 2 clean blocks, then cached ones, the oldest released being the second
+    beam's own prefix."""
+    engine = PagedEngine(model, num_blocks=6, block_size=2, token_budget=64)
+    alloc = engine.allocator
+    r = Request([9, 9, 9, 9, 9], 4, num_beams=2)
+    first = r.sequences[0]
+    second = Sequence(r, [1, 2, 3, 4, 5], seed=0)  # a beam whose first two blocks are cached
+    other = Sequence(r, [7, 7, 8, 8], seed=0)
+    blocks = alloc.allocate(6)
+    for k in range(2):  # the second beam's prefix, released first: least recently used
+        alloc.register(blocks[k], alloc.block_hash(second, k), alloc.block_tokens(second, k))
+        alloc.register(blocks[2 + k], alloc.block_hash(other, k), alloc.block_tokens(other, k))
+    for block in blocks:
+        alloc.free([block])
+    r.sequences = [first, second]
+    engine.waiting.extend([first, second])
+    assert engine.admit_next() == [first, second]
+    assert second.num_computed == 4 and set(first.block_table).isdisjoint(second.block_table)
+    for k in range(2):  # what the second beam shares still holds its tokens
+        assert alloc.hash_of[second.block_table[k]] == alloc.block_hash(second, k)
+    check_invariants(engine)
