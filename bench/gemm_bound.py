@@ -1,6 +1,7 @@
-"""How close each engine runs to its GEMMs: the CPU's throughput on one large GEMM, and for each workload
-of a bench/vllm_compare.py table, the time its linear layers alone would take at that rate, as a share of
-the time each engine took.
+"""How close each engine runs to its bound: the CPU's throughput on one large GEMM and its read bandwidth,
+and for each workload of a bench/vllm_compare.py table, the time its linear layers alone would take at that
+rate, the time its least reads would take at that bandwidth, and the larger of the two (the bound: a step
+can beat neither) as a share of the time each engine took. Run it on the machine that made the table.
 
     python bench/vllm_compare.py --dtype bfloat16 > out/vllm_bf16.txt
     python bench/gemm_bound.py out/vllm_bf16.txt
@@ -9,6 +10,8 @@ A workload's GEMM work: every prompt token and every fed-back new token goes thr
 linears (12 n_embd^2 weights), and every new token's logits through the lm_head (n_embd x 50,257); 2 FLOPs
 per weight. Attention, layer norms and sampling are left out: the share is how much of a step is GEMMs
 at the rate a large, well-shaped GEMM reaches, so 100% is out of reach and the rest is everything else.
+A workload's least reads: every step reads every weight once (prefill in steps of vLLM's 4,096 tokens,
+then one step per new token), and every decode step the K/V of every sequence's context so far.
 """
 
 import argparse
@@ -20,7 +23,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from vllm_compare import SHAPES, WORKLOADS, parse, prompts_for
+from vllm_compare import SHAPES, WORKLOADS, parse, prompts_for, read_bandwidth
 
 
 def mm_gflops(dtype, n=4096, repeats=5):
@@ -55,6 +58,18 @@ def gemm_flops(name):
     return 2 * (12 * n_embd**2 * n_layer * body_tokens + n_embd * 50257 * new * len(prompts)), new * len(prompts)
 
 
+def bytes_read(name, element_size):
+    """A greedy workload's least bytes read: the weights once per step, and the K/V of each decode step."""
+    shape, key, _, _ = parse(name)
+    n_layer, _, n_embd = SHAPES[shape]
+    _, _, new = WORKLOADS[key]
+    prompts = prompts_for(key, 1)
+    weights = (12 * n_embd**2 * n_layer + n_embd * 50257) * element_size
+    steps = -(-sum(len(p) for p in prompts) // 4096) + new - 1
+    kv_tokens = sum(len(p) + t for p in prompts for t in range(1, new))  # keys read by decode steps
+    return steps * weights + kv_tokens * 2 * n_layer * n_embd * element_size
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("table", help="the output of bench/vllm_compare.py (greedy workloads)")
@@ -63,20 +78,30 @@ def main():
         text = f.read()
     dtype = re.search(r"--dtype (\w+)", text).group(1)
     rate = mm_gflops(getattr(torch, dtype))
+    bandwidth, threads = read_bandwidth()
     print(
-        f"the faster of torch.mm and a prepacked oneDNN linear, 4096^3 in {dtype}: {rate:,.0f} GFLOP/s, {torch.get_num_threads()} threads; from {args.table}"
+        f"the faster of torch.mm and a prepacked oneDNN linear, 4096^3 in {dtype}: {rate:,.0f} GFLOP/s, {threads} threads; from {args.table}"
     )
+    print(f"read bandwidth: {bandwidth:.1f} GB/s (a float32 sum over 256 MB, {threads} threads, median of 7)")
     for block in re.split(r"^--- ", text, flags=re.MULTILINE)[1:]:
         name = block.split()[0]
         if parse(name)[2:] != (1, 1):  # greedy workloads only: beams and samples do other work per token
             continue
         flops, tokens = gemm_flops(name)
         gemm_s = flops / rate / 1e9
+        read = bytes_read(name, getattr(torch, dtype).itemsize)
+        memory_s = read / bandwidth / 1e9
+        bound_s = max(gemm_s, memory_s)
         shares = []
         for engine, speed in re.findall(r"^  (ours|vllm \w+)\s+([\d,.]+) \(", block, flags=re.MULTILINE):
             seconds = tokens / float(speed.replace(",", ""))
-            shares.append(f"{engine} {seconds:.2f} s, GEMMs {100 * gemm_s / seconds:.0f}% of it")
-        print(f"  {name}: {flops / 1e9:,.0f} GFLOP of GEMMs, {gemm_s:.2f} s at that rate; " + "; ".join(shares))
+            shares.append(
+                f"{engine} {seconds:.2f} s: GEMMs {100 * gemm_s / seconds:.0f}%, bound {100 * bound_s / seconds:.0f}%"
+            )
+        print(
+            f"  {name}: {flops / 1e9:,.0f} GFLOP of GEMMs, {gemm_s:.2f} s at that rate; {read / 1e9:,.1f} GB read, "
+            f"{memory_s:.2f} s at that bandwidth; bound {bound_s:.2f} s; " + "; ".join(shares)
+        )
 
 
 if __name__ == "__main__":

@@ -195,6 +195,21 @@ def cpu_line():
     return f"{name}, {os.cpu_count()} cores, bf16 features: {', '.join(bf16)}"
 
 
+def read_bandwidth():
+    """GB/s of a float32 sum over 256 MB with torch's thread count, median of 7: about the fastest a step can
+    read its weights and K/V, the memory side of a step's bound (bench/gemm_bound.py)."""
+    import torch
+
+    x = torch.ones(64 * 2**20)
+    x.sum()
+    seconds = []
+    for _ in range(7):
+        start = time.perf_counter()
+        x.sum()
+        seconds.append(time.perf_counter() - start)
+    return x.numel() * 4 / statistics.median(seconds) / 1e9, torch.get_num_threads()
+
+
 def launch(python, kind, job_file, env):
     cmd = [python, os.path.abspath(__file__), "--worker", kind, "--worker-job", job_file]
     proc = subprocess.run(cmd, check=False, env={**os.environ, **env}, capture_output=True, text=True, cwd=ROOT)
@@ -225,7 +240,9 @@ def main():
         f"$ python bench/vllm_compare.py --dtype {args.dtype} --workloads {args.workloads} --setups {args.setups} "
         f"--repeats {args.repeats}"
     )
+    bandwidth, threads = read_bandwidth()
     print(f"{cpu_line()}; {time.strftime('%Y-%m-%d')}; vLLM setups: {', '.join(envs)}")
+    print(f"read bandwidth: {bandwidth:.1f} GB/s (a float32 sum over 256 MB, {threads} threads, median of 7)")
     print(f"dtype {args.dtype} in both engines, explicitly (vLLM's default on an x86 CPU is bfloat16)", flush=True)
     for name in args.workloads.split(","):
         shape, key, beams, samples = parse(name)
