@@ -90,8 +90,8 @@ class BlockAllocator:
 
     def lookup(self, block_hash, tokens):
         """The cached block with this hash, if it really holds these tokens: a collision never hits."""
-        hit = self.by_hash.get(block_hash)
-        return hit[0] if hit is not None and hit[1] == tokens else None
+        block, cached_tokens = self.by_hash.get(block_hash, (None, None))
+        return block if cached_tokens == tokens else None
 
     def register(self, block, block_hash, tokens):
         if block_hash not in self.by_hash and block not in self.hash_of:
@@ -154,8 +154,9 @@ def gather_attend(q, k_pool, v_pool, block_table, kv_len):
     scores = (q[:, None, None].to(acc) * keys).sum(-1).view(B, -1, H) * D**-0.5  # (B, L, H)
     visible = torch.arange(scores.shape[1], device=q.device) < kv_len[:, None]  # (B, L)
     p = scores.masked_fill(~visible[..., None], float("-inf")).softmax(1)
-    values = v_pool[block_table].to(acc).view(B, -1, H, D)
-    return (p[..., None] * values).sum(1).to(q.dtype)
+    values = v_pool[block_table].to(acc)  # (B, W, block_size, H, D)
+    # Within each block first: a block's keys then lie in one short stride, which the kernel reads once.
+    return (p.view(*values.shape[:4], 1) * values).sum(2).sum(1).to(q.dtype)
 
 
 @functools.cache
