@@ -14,6 +14,11 @@ model is not prepacked: freezing packs its own weights. The graph count is print
 after the timed runs: a rise means recompiles. Both variants warm up on other prompts (the compile is
 timed), then alternate in one process, greedy; the ratio is taken per repeat, and outputs are compared
 token for token.
+
+--profile adds, per workload, torch.profiler's view of one timed run of each variant: the ops and kernels
+that take the most self CPU time, per step, and how many separate aten::gelu and layer-norm passes a step
+runs (inside the graph, inductor fuses them with the adds and copies around them into its own cpp_fused_*
+kernels, which inductor's kernel profiling names).
 """
 
 import argparse
@@ -31,7 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bench.compile_step import fmt
 from bench.vllm_compare import WORKLOADS, cpu_line, export, parse, prompts_for
 from checkpoints import load_checkpoint
-from engine import Request
+from engine import Observer, Request
 from model import prepack
 from paged import blocks_for
 from scheduler import PagedEngine
@@ -88,10 +93,19 @@ def graph_forward(model):
     return forward
 
 
-def serve(model, forward, prompts, new_tokens):
+class StepCount(Observer):
+    steps = 0
+
+    def stepped(self):
+        self.steps += 1
+
+
+def serve(model, forward, prompts, new_tokens, counter=None):
     """-> (output tok/s, outputs), one PagedEngine with vLLM's step budget; forward replaces the model's call."""
     num_blocks = sum(blocks_for(len(p) + new_tokens, 16) for p in prompts)
     engine = PagedEngine(model, num_blocks, token_budget=4096, vocab_size=50257)
+    if counter is not None:
+        engine.observers.append(counter)
     if forward is not None:
         engine.model = lambda idx, batch: (forward(batch), None)
     requests = [Request(p, new_tokens) for p in prompts]
@@ -100,15 +114,39 @@ def serve(model, forward, prompts, new_tokens):
     return len(prompts) * new_tokens / (time.perf_counter() - start), [r.generated for r in requests]
 
 
+SEPARATE_PASSES = ("aten::gelu", "aten::native_layer_norm")
+
+
+def profile(model, forward, prompts, new_tokens, top=8):
+    """Print one run's heaviest ops by self CPU time, per step, and its separate GELU and layer-norm passes."""
+    counter = StepCount()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        serve(model, forward, prompts, new_tokens, counter)
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    total = sum(e.self_cpu_time_total for e in events)
+    for e in events[:top]:
+        print(
+            f"      {e.key[:60]:<60} {e.count / counter.steps:6.1f} calls, {e.self_cpu_time_total / 1e3 / counter.steps:7.2f} ms"
+            f" a step ({100 * e.self_cpu_time_total / total:.0f}%)"
+        )
+    passes = {e.key: e.count / counter.steps for e in events if e.key in SEPARATE_PASSES}
+    print("      separate passes a step: " + ", ".join(f"{k} {passes.get(k, 0):.0f}" for k in SEPARATE_PASSES))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workloads", default="tiny/decode,tiny/mixed,gpt2/decode")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--profile", action="store_true", help="profile one run of each variant after the timed runs")
     args = p.parse_args()
     torch._inductor.config.freezing = True
+    torch._inductor.config.cpp.enable_kernel_profile = args.profile
     dtype = getattr(torch, args.dtype)
-    print(f"$ python bench/compile_graph.py --workloads {args.workloads} --dtype {args.dtype} --repeats {args.repeats}")
+    flags = " --profile" if args.profile else ""
+    print(
+        f"$ python bench/compile_graph.py --workloads {args.workloads} --dtype {args.dtype} --repeats {args.repeats}{flags}"
+    )
     print(f"{cpu_line()}; torch {torch.__version__}, {torch.get_num_threads()} threads, {time.strftime('%Y-%m-%d')}")
     for name in args.workloads.split(","):
         shape, key, _, _ = parse(name)
@@ -140,6 +178,9 @@ def main():
             f"{graphs_warm} after warm-up, {counters['stats']['unique_graphs']} after the timed runs",
             flush=True,
         )
+        for label in variants if args.profile else ():
+            print(f"  profile, {label}: the heaviest ops by self CPU time")
+            profile(*variants[label], timed, new_tokens)
 
 
 if __name__ == "__main__":

@@ -26,9 +26,11 @@ def test_two_level_topk_selects_exactly_what_torch_topk_does(vocab, k):
 
 def test_one_graph_forward_equals_eager_and_compiles_no_new_graph_as_steps_change(model):
     """bench/compile_graph.py's whole forward as one graph, attention as an op: token for token the eager
-    engine's output, in float64, and once warm, steps of other token counts, chunks, samplers and block
-    tables compile nothing new."""
+    engine's output, in float64; the code inductor writes calls the op once a layer and runs no GELU or
+    layer norm of aten's (they are fused into its own kernels); and once warm, steps of other token counts,
+    chunks, samplers and block tables compile nothing new."""
     from torch._dynamo.utils import counters
+    from torch._inductor.utils import run_and_get_code
 
     from bench.compile_graph import graph_forward
 
@@ -43,7 +45,13 @@ def test_one_graph_forward_equals_eager_and_compiles_no_new_graph_as_steps_chang
     news = [6, 9, 4, 12]
     forward = graph_forward(model)
     with torch._inductor.config.patch(freezing=True):
-        assert run(warm, [3, 5], forward) == run(warm, [3, 5])
+        outputs, codes = run_and_get_code(run, warm, [3, 5], forward)
+        assert outputs == run(warm, [3, 5])
+        calls = [line for code in codes for line in code.splitlines() if not line.lstrip().startswith("#")]
+        code = "\n".join(calls)  # without inductor's comments, which name the aten ops each kernel fuses
+        assert code.count("torch.ops.nanogpt.attend.default(") == model.config.n_layer
+        assert "aten.gelu" not in code and "aten.native_layer_norm" not in code
+        assert "cpp_fused_" in code
         graphs = counters["stats"]["unique_graphs"]
         assert run(prompts, news, forward) == run(prompts, news)
     assert counters["stats"]["unique_graphs"] == graphs
