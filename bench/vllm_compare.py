@@ -243,7 +243,12 @@ def main():
     bandwidth, threads = read_bandwidth()
     print(f"{cpu_line()}; {time.strftime('%Y-%m-%d')}; vLLM setups: {', '.join(envs)}")
     print(f"read bandwidth: {bandwidth:.1f} GB/s (a float32 sum over 256 MB, {threads} threads, median of 7)")
-    print(f"dtype {args.dtype} in both engines, explicitly (vLLM's default on an x86 CPU is bfloat16)", flush=True)
+    print(f"dtype {args.dtype} in both engines, explicitly (vLLM's default on an x86 CPU is bfloat16)")
+    print(
+        "allocators: ours keeps freed memory in the process (mallopt at Engine(), no preload); vllm preloaded: "
+        "tcmalloc and the venv's libiomp5.so, as vLLM's CPU docs ask; vllm plain: neither",
+        flush=True,
+    )
     for name in args.workloads.split(","):
         shape, key, beams, samples = parse(name)
         n, (lo, hi), new = WORKLOADS[key]
