@@ -18,7 +18,8 @@ token for token.
 --profile adds, per workload, torch.profiler's view of one timed run of each variant: the ops and kernels
 that take the most self CPU time, per step, and how many separate aten::gelu and layer-norm passes a step
 runs (inside the graph, inductor fuses them with the adds and copies around them into its own cpp_fused_*
-kernels, which inductor's kernel profiling names).
+kernels, which inductor's kernel profiling names). Kernel profiling is switched on before anything compiles,
+so with --profile the timed runs of both variants also carry its small cost per compiled kernel.
 """
 
 import argparse
