@@ -3,17 +3,20 @@ CPU step, against the engine as it runs (eager around prepacked oneDNN GEMMs and
 attention), on bench/vllm_compare.py's workloads and weights.
 
     python bench/compile_graph.py [--workloads tiny/decode,tiny/mixed,gpt2/decode] [--dtype float32] [--repeats 3]
+                                  [--gelu-postop on|off] [--profile]
 
 The graph is torch.compile(model.forward, dynamic=True) with inductor's freezing (weights constant and
-prepacked by inductor, the small ops between GEMMs fused). The model's seam stays batch.attend(layer, q, k,
-v): the graph gets a GraphBatch whose attend calls the op nanogpt::attend(q, k, v, layer), which dynamo
-cannot see into; the op runs the step's real StepBatch, set in a context before the forward, so the
-step's tables never enter the graph or its guards (vLLM's unified_attention works the same way). Token
-and sampler counts are padded to at least 2, so that no size of 1 specializes the graph. The graphed
-model is not prepacked: freezing packs its own weights. The graph count is printed after the warm-up and
-after the timed runs: a rise means recompiles. Both variants warm up on other prompts (the compile is
-timed), then alternate in one process, greedy; the ratio is taken per repeat, and outputs are compared
-token for token.
+prepacked by inductor, the small ops between GEMMs fused; by default inductor also folds each GELU and
+residual add into the oneDNN linear before it, as post-ops: --gelu-postop off keeps GELU out of it). The
+model's seam stays batch.attend(layer, q, k, v): the graph gets a GraphBatch whose attend calls the op
+nanogpt::attend(q, k, v, layer), which dynamo cannot see into; the op runs the step's real StepBatch, set
+in a context before the forward, so the step's tables never enter the graph or its guards (vLLM's
+unified_attention works the same way). Token and sampler counts are padded to at least 2, so that no size
+of 1 specializes the graph. The graphed model is not prepacked: freezing packs its own weights. The graph
+count is printed after the warm-up and after the timed runs: a rise means recompiles (each workload's
+model is new to the process, so a second shape's first graphs may show there too). Both variants warm up
+on other prompts (the compile is timed), then alternate in one process, greedy; the ratio is taken per
+repeat, and outputs are compared token for token.
 
 --profile adds, per workload, torch.profiler's view of one timed run of each variant: the ops and kernels
 that take the most self CPU time, per step, and how many separate aten::gelu and layer-norm passes a step
@@ -55,7 +58,11 @@ def attend_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> 
     writes the layer's new K/V into the pool and reads the cached ones, through the real batch."""
     batch = ForwardContext.batch
     n = len(batch.host_positions)
-    out = batch.attend(layer, q[:n], k[:n], v[:n])
+    # The op runs inside the graph's call, under torch.compile(dynamic=True)'s setting, which would compile
+    # the decode attention with every size symbolic (heads, head size, block size): a slower kernel (36 ms
+    # against 20 a GPT-2 mixed step, 2026-11-25). Static by default, as in the eager engine.
+    with torch._dynamo.config.patch(assume_static_by_default=True):
+        out = batch.attend(layer, q[:n], k[:n], v[:n])
     return F.pad(out, (0, 0, 0, 0, 0, q.shape[0] - n))
 
 
@@ -92,6 +99,17 @@ def graph_forward(model):
         return logits[:S]
 
     return forward
+
+
+def keep_gelu_apart():
+    """Stop inductor from folding GELU into the oneDNN linear before it as a post-op, so that GELU fuses with
+    the ops around it instead. Inductor has no setting for this: its unary post-op patterns are registered
+    by a private function, here replaced before anything compiles (the binary ones, the residual adds, stay)."""
+    from torch._inductor.fx_passes import mkldnn_fusion
+
+    if not hasattr(mkldnn_fusion, "_register_unary_fusion"):
+        sys.exit("error: --gelu-postop off needs inductor's mkldnn_fusion._register_unary_fusion (torch 2.13)")
+    mkldnn_fusion._register_unary_fusion = lambda: None
 
 
 class StepCount(Observer):
@@ -140,11 +158,20 @@ def main():
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--profile", action="store_true", help="profile one run of each variant after the timed runs")
+    p.add_argument(
+        "--gelu-postop",
+        default="on",
+        choices=["on", "off"],
+        help="on: inductor's default, GELU as a post-op of the oneDNN linear before it; off: GELU fused with the ops "
+        "around it instead (bench/linear_postops.py times the two)",
+    )
     args = p.parse_args()
     torch._inductor.config.freezing = True
+    if args.gelu_postop == "off":
+        keep_gelu_apart()
     torch._inductor.config.cpp.enable_kernel_profile = args.profile
     dtype = getattr(torch, args.dtype)
-    flags = " --profile" if args.profile else ""
+    flags = (" --profile" if args.profile else "") + f" --gelu-postop {args.gelu_postop}"
     print(
         f"$ python bench/compile_graph.py --workloads {args.workloads} --dtype {args.dtype} --repeats {args.repeats}{flags}"
     )

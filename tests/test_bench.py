@@ -65,3 +65,21 @@ def test_sampling_bench_times_the_engines_own_sample_call(model):
         tok_s, ms_per_step, outputs = run(model, [[1, 2, 3], [4, 5]], [3, 4], temperature)
         assert [len(o) for o in outputs] == [3, 4]
         assert tok_s > 0 and ms_per_step > 0
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+def test_linear_postops_bench_times_sides_that_compute_the_same(rows):
+    """bench/linear_postops.py: oneDNN's GELU and add post-ops give what the linear and the op apart give."""
+    from bench.linear_postops import sides_for
+
+    g = torch.Generator().manual_seed(rows)
+    fc_weight, proj_weight = torch.randn(64, 16, generator=g), torch.randn(16, 64, generator=g)
+    fc_bias, proj_bias = torch.randn(64, generator=g), torch.randn(16, generator=g)
+    x, h, residual = torch.randn(rows, 16, generator=g), torch.randn(rows, 64, generator=g), torch.randn(rows, 16)
+    pack = torch.ops.mkldnn._reorder_linear_weight
+    sides = sides_for(x, h, residual, pack(fc_weight, None), fc_bias, pack(proj_weight, None), proj_bias)
+    expected_fc = torch.nn.functional.gelu(x @ fc_weight.T + fc_bias)
+    expected_proj = h @ proj_weight.T + proj_bias + residual
+    for name, expected in [("gelu", expected_fc), ("add", expected_proj)]:
+        torch.testing.assert_close(sides[f"{name} apart"](), expected, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(sides[f"{name} post-op"](), expected, rtol=1e-4, atol=1e-4)
