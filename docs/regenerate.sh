@@ -23,7 +23,11 @@ bench() { name=$1; shift; echo "python bench/$*" > "docs/$name.txt"; python "ben
 bench sampling sampling.py                  # about 8 minutes
 bench prefill_attention prefill_attention.py
 bench compile_step compile_step.py --workloads tiny/mixed,tiny/decode,tiny/prefill,gpt2/mixed,gpt2/decode,gpt2/prefill  # about 20 minutes
-python bench/compile_graph.py > docs/compile_graph.txt  # about 10 minutes; it prints its own command
+graph_workloads=tiny/decode,tiny/mixed,gpt2/decode,gpt2/mixed  # about 12 minutes each; each prints its own command
+(python bench/compile_graph.py --workloads $graph_workloads --gelu-postop off; echo;
+    python bench/compile_graph.py --workloads $graph_workloads --gelu-postop on) > docs/compile_graph.txt
+python bench/compile_graph.py --workloads tiny/decode,gpt2/decode --gelu-postop off --profile > docs/compile_graph_profile.txt
+(for run in 1 2 3; do python bench/linear_postops.py; echo; done) > docs/linear_postops.txt
 # the block pool over three runs (each a few seconds)
 python generate.py --paged --num-requests 64 --shared-prefix 200 --prompt-len 201:224 --new-tokens 16:32 --seed 1 \
     --num-blocks 256 --pool-map docs/pool_prefix.png
