@@ -102,8 +102,8 @@ def graph_forward(model):
 
 
 def keep_gelu_apart():
-    """Stop inductor from folding GELU into the oneDNN linear before it as a post-op, so that GELU fuses with
-    the ops around it instead. Inductor has no setting for this: its unary post-op patterns are registered
+    """Stop inductor from folding GELU into the oneDNN linear before it as a post-op, so that GELU runs as
+    inductor's own kernel instead. Inductor has no setting for this: its unary post-op patterns are registered
     by a private function, here replaced before anything compiles (the binary ones, the residual adds, stay)."""
     from torch._inductor.fx_passes import mkldnn_fusion
 
@@ -162,8 +162,8 @@ def main():
         "--gelu-postop",
         default="on",
         choices=["on", "off"],
-        help="on: inductor's default, GELU as a post-op of the oneDNN linear before it; off: GELU fused with the ops "
-        "around it instead (bench/linear_postops.py times the two)",
+        help="on: inductor's default, GELU as a post-op of the oneDNN linear before it; off: GELU as inductor's own "
+        "kernel instead (bench/linear_postops.py times the two)",
     )
     args = p.parse_args()
     torch._inductor.config.freezing = True
