@@ -2,15 +2,18 @@
 batch of one-token rows, each over its own context in a pool of 16-token blocks, read three ways.
 
     python bench/decode_attention.py [--dtype float32] [--batch 64] [--contexts 144,528,1040] [--rounds 7]
+                                     [--shortest 0.5]
 
   compiled   the engine's path: torch.compile(gather_attend), which reads K/V straight from the pool and
              sums the values within each block first;
+  ragged     not in the engine: each row's real blocks only, as pairs (block, row), each block reduced on
+             its own, then each row's blocks combined; its tables are built on the host, timed apart;
   flat       the same as it was before: the values summed over all of a row's keys at once;
   eager      the engine's eager path: gather whole blocks (a copy), then SDPA.
 
 Each context is run twice: every row at the same length (decode: all sequences started together), and rows
-spread evenly over half the length to the whole (mixed: the batch's table is as wide as its longest row, so
-shorter rows carry padding blocks). Bytes are each row's K and V over the keys it needs, once (the query and
+spread evenly from --shortest (a share, half by default) of the length to the whole (mixed: the batch's
+table is as wide as its longest row, so shorter rows carry padding blocks). Bytes are each row's K and V over the keys it needs, once (the query and
 the output are noise beside them); GB/s is those bytes over the median call (of --rounds rounds of 20
 calls); the share is that against the read bandwidth of a float32 sum over 256 MB at the same thread count
 (bench/vllm_compare.py's read_bandwidth). Outputs are compared with the compiled path's before timing.
@@ -23,6 +26,7 @@ import sys
 import time
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from batch import attend
@@ -47,6 +51,47 @@ def flat_gather_attend(q, k_pool, v_pool, block_table, kv_len):
     return (p[..., None] * values).sum(1).to(q.dtype)
 
 
+def ragged_tables(block_table, kv_len):
+    """The padded (B, W) table as pairs, one per block a row really reads: pair_block, pair_row, pair_len
+    (P,) the block, its row and its visible keys; pair_of (B, W) each row's pairs, padded with P. Host work,
+    once a step for every layer: timed apart."""
+    B, W = block_table.shape
+    real = torch.arange(W) < blocks_for(kv_len, BLOCK_SIZE)[:, None]  # (B, W)
+    pair_of = torch.full((B, W), int(real.sum()))
+    pair_of[real] = torch.arange(int(real.sum()))
+    pair_len = (kv_len[:, None] - torch.arange(W) * BLOCK_SIZE).clamp(max=BLOCK_SIZE)[real]
+    return block_table[real], real.nonzero()[:, 0], pair_len, pair_of
+
+
+def ragged_gather_attend(q, k_pool, v_pool, pair_block, pair_row, pair_len, pair_of):
+    """Each row's real blocks only, so that no row computes the padding up to the batch's longest: each block
+    reduced on its own (its max, sum and weighted values, P of each), then each row combines its blocks'."""
+    D = q.shape[-1]
+    acc = torch.promote_types(q.dtype, torch.float32)
+    keys = k_pool[pair_block].to(acc)  # (P, block_size, H, D)
+    scores = (q[pair_row, None].to(acc) * keys).sum(-1) * D**-0.5  # (P, block_size, H)
+    visible = torch.arange(keys.shape[1], device=q.device) < pair_len[:, None]  # (P, block_size)
+    scores = scores.masked_fill(~visible[..., None], float("-inf"))
+    block_max = scores.amax(1)  # (P, H)
+    p = (scores - block_max[:, None]).exp()
+    block_out = (p[..., None] * v_pool[pair_block].to(acc)).sum(1)  # (P, H, D)
+    block_max = F.pad(block_max, (0, 0, 0, 1), value=float("-inf"))[pair_of]  # (B, W, H), padding at -inf
+    weight = (block_max - block_max.amax(1, keepdim=True)).exp()
+    out = (weight[..., None] * F.pad(block_out, (0, 0, 0, 0, 0, 1))[pair_of]).sum(1)  # (B, H, D)
+    total = (weight * F.pad(p.sum(1), (0, 0, 0, 1))[pair_of]).sum(1)  # (B, H)
+    return (out / total[..., None]).to(q.dtype)
+
+
+RAGGED_GRAPH = torch.compile(ragged_gather_attend)
+
+
+def compiled_ragged(q, k_pool, v_pool, *tables):
+    for t in (q, k_pool, v_pool, *tables):  # one graph for every shape, as the engine's path
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+    torch._dynamo.maybe_mark_dynamic(tables[-1], 1)
+    return RAGGED_GRAPH(q, k_pool, v_pool, *tables)
+
+
 def eager_attend(q, k_pool, v_pool, block_table, kv_len):
     k = gather_kv(k_pool, block_table)  # (B, L, H, D)
     v = gather_kv(v_pool, block_table)
@@ -65,10 +110,10 @@ def compiled(fn):
     return call
 
 
-def case(batch, context, spread, dtype):
+def case(batch, context, spread, dtype, shortest=0.5):
     """-> q, k_pool, v_pool, table (B, W), kv_len (B,): each row's blocks scattered over a shuffled pool."""
     g = torch.Generator().manual_seed(context + spread)
-    lengths = torch.linspace(context // 2 if spread else context, context, batch).long()
+    lengths = torch.linspace(int(context * shortest) if spread else context, context, batch).long()
     widths = blocks_for(lengths, BLOCK_SIZE)
     num_blocks = int(widths.sum())
     order = torch.randperm(num_blocks, generator=g)
@@ -99,26 +144,35 @@ def main():
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--contexts", default="144,528,1040")
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--shortest", type=float, default=0.5, help="spread rows: the shortest, as a share of the context")
     args = p.parse_args()
     dtype = getattr(torch, args.dtype)
     bandwidth, threads = read_bandwidth()
     print(
         f"$ python bench/decode_attention.py --dtype {args.dtype} --batch {args.batch} --contexts {args.contexts} "
-        f"--rounds {args.rounds}"
+        f"--rounds {args.rounds} --shortest {args.shortest}"
     )
     print(f"{cpu_line()}; torch {torch.__version__}, {threads} threads, {time.strftime('%Y-%m-%d')}")
     print(f"read bandwidth: {bandwidth:.1f} GB/s (a float32 sum over 256 MB, median of 7)")
-    paths = {"compiled": compiled(gather_attend), "flat": compiled(flat_gather_attend), "eager": eager_attend}
+    paths = {"compiled": compiled(gather_attend), "ragged": compiled_ragged}
+    paths.update(flat=compiled(flat_gather_attend), eager=eager_attend)
     for context in map(int, args.contexts.split(",")):
         for spread in (False, True):
-            inputs = case(args.batch, context, spread, dtype)
+            inputs = case(args.batch, context, spread, dtype, args.shortest)
             needed = int(inputs[4].sum()) * 2 * HEADS * HEAD_SIZE * dtype.itemsize
             reference = paths["compiled"](*inputs)
-            label = f"{args.batch} rows, {'half to all of ' if spread else ''}{context} keys"
-            print(f"--- {label}: {needed / 1e6:,.1f} MB of K/V needed; median of {args.rounds} rounds of 20 calls")
+            tables = ragged_tables(*inputs[3:])
+            host = median_call(ragged_tables, inputs[3:], args.rounds)
+            shortest = f"{int(context * args.shortest)} to " if spread else ""
+            label = f"{args.batch} rows, {shortest}{context} keys"
+            print(
+                f"--- {label}: {needed / 1e6:,.1f} MB of K/V needed; median of {args.rounds} rounds of 20 calls; "
+                f"ragged's tables on the host {host * 1e3:.3f} ms, once a step for every layer"
+            )
             for name, fn in paths.items():
-                torch.testing.assert_close(fn(*inputs), reference, atol=2e-2, rtol=2e-2)
-                seconds = median_call(fn, inputs, args.rounds)
+                args_in = (*inputs[:3], *tables) if name == "ragged" else inputs
+                torch.testing.assert_close(fn(*args_in), reference, atol=2e-2, rtol=2e-2)
+                seconds = median_call(fn, args_in, args.rounds)
                 rate = needed / seconds / 1e9
                 print(
                     f"  {name:<9} {seconds * 1e3:7.3f} ms  {rate:6.1f} GB/s  {100 * rate / bandwidth:4.0f}% of the read bandwidth"
