@@ -83,3 +83,16 @@ def test_linear_postops_bench_times_sides_that_compute_the_same(rows):
     for name, expected in [("gelu", expected_fc), ("add", expected_proj)]:
         torch.testing.assert_close(sides[f"{name} apart"](), expected, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(sides[f"{name} post-op"](), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_ragged_decode_attention_equals_the_engines_gather_attend():
+    """bench/decode_attention.py's ragged path (each row's real blocks only) computes the engine's attention."""
+    from bench.decode_attention import case, ragged_gather_attend, ragged_tables
+    from paged import gather_attend
+
+    for spread, shortest in [(False, 0.5), (True, 0.5), (True, 0.0)]:  # 0.0: rows down to a single key
+        q, k_pool, v_pool, table, kv_len = case(5, 40, spread, torch.float64, shortest)
+        kv_len = kv_len.clamp(min=1)
+        expected = gather_attend(q, k_pool, v_pool, table, kv_len)
+        got = ragged_gather_attend(q, k_pool, v_pool, *ragged_tables(table, kv_len))
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
