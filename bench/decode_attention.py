@@ -57,8 +57,9 @@ def ragged_tables(block_table, kv_len):
     once a step for every layer: timed apart."""
     B, W = block_table.shape
     real = torch.arange(W) < blocks_for(kv_len, BLOCK_SIZE)[:, None]  # (B, W)
-    pair_of = torch.full((B, W), int(real.sum()))
-    pair_of[real] = torch.arange(int(real.sum()))
+    num_pairs = int(real.sum())
+    pair_of = torch.full((B, W), num_pairs)
+    pair_of[real] = torch.arange(num_pairs)
     pair_len = (kv_len[:, None] - torch.arange(W) * BLOCK_SIZE).clamp(max=BLOCK_SIZE)[real]
     return block_table[real], real.nonzero()[:, 0], pair_len, pair_of
 
@@ -82,16 +83,6 @@ def ragged_gather_attend(q, k_pool, v_pool, pair_block, pair_row, pair_len, pair
     return (out / total[..., None]).to(q.dtype)
 
 
-RAGGED_GRAPH = torch.compile(ragged_gather_attend)
-
-
-def compiled_ragged(q, k_pool, v_pool, *tables):
-    for t in (q, k_pool, v_pool, *tables):  # one graph for every shape, as the engine's path
-        torch._dynamo.maybe_mark_dynamic(t, 0)
-    torch._dynamo.maybe_mark_dynamic(tables[-1], 1)
-    return RAGGED_GRAPH(q, k_pool, v_pool, *tables)
-
-
 def eager_attend(q, k_pool, v_pool, block_table, kv_len):
     k = gather_kv(k_pool, block_table)  # (B, L, H, D)
     v = gather_kv(v_pool, block_table)
@@ -99,13 +90,15 @@ def eager_attend(q, k_pool, v_pool, block_table, kv_len):
 
 
 def compiled(fn):
+    """torch.compile(fn), called with q, the pools and fn's tables (a block table or pairs)."""
     graph = torch.compile(fn)
 
-    def call(q, k_pool, v_pool, table, kv_len):
-        for t in (q, table, kv_len, k_pool, v_pool):  # as the engine marks them: one graph for every shape
+    def call(q, k_pool, v_pool, *tables):
+        for t in (q, k_pool, v_pool, *tables):  # as the engine marks them: one graph for every shape
             torch._dynamo.maybe_mark_dynamic(t, 0)
-        torch._dynamo.maybe_mark_dynamic(table, 1)
-        return graph(q, k_pool, v_pool, table, kv_len)
+        for table in (t for t in tables if t.dim() == 2):  # a (B, W) table's width too
+            torch._dynamo.maybe_mark_dynamic(table, 1)
+        return graph(q, k_pool, v_pool, *tables)
 
     return call
 
@@ -154,7 +147,7 @@ def main():
     )
     print(f"{cpu_line()}; torch {torch.__version__}, {threads} threads, {time.strftime('%Y-%m-%d')}")
     print(f"read bandwidth: {bandwidth:.1f} GB/s (a float32 sum over 256 MB, median of 7)")
-    paths = {"compiled": compiled(gather_attend), "ragged": compiled_ragged}
+    paths = {"compiled": compiled(gather_attend), "ragged": compiled(ragged_gather_attend)}
     paths.update(flat=compiled(flat_gather_attend), eager=eager_attend)
     for context in map(int, args.contexts.split(",")):
         for spread in (False, True):
