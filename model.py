@@ -33,6 +33,7 @@ class Linear(nn.Linear):
     """nn.Linear that multiplies by a copy of its weight prepacked for oneDNN, once prepack() made one."""
 
     packed_weight = None
+    packed_bias = None
     packed_version = None  # the weight's version the packed copy was made from: a weight changed since is not used
 
     def _apply(self, fn, *args):  # .to(), .double(), ... make a new weight: the copy is stale
@@ -45,19 +46,28 @@ class Linear(nn.Linear):
     def forward(self, x):
         if not self.is_packed() or torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        x_packed = x.to(self.packed_weight.dtype)  # bf16 into a float32 copy: exact
+        return torch.ops.mkldnn._linear_pointwise(x_packed, self.packed_weight, self.packed_bias, "none", [], "").to(
+            x.dtype
+        )
 
 
 def prepack(model):
     """For inference on a CPU: each linear weight reordered once into oneDNN's blocked layout, as inductor's
-    freezing does; eager F.linear pays that reorder on every call. float32 always; bfloat16 where oneDNN has
-    bf16 kernels (AVX512-BF16 or AMX), as the GEMMs a bf16 step spends most of its time in."""
-    dtypes = [torch.float32]
-    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        dtypes.append(torch.bfloat16)
+    freezing does; eager F.linear pays that reorder on every call. A bf16 weight is packed as it is where
+    oneDNN has bf16 kernels (AVX512-BF16 or AMX); elsewhere as a float32 copy, which computes what a bf16
+    GEMM does (bf16 inputs, float32 sums, a bf16 result) several times faster than PyTorch's bf16 GEMM there
+    (docs/bf16.md), for twice the bf16 weight's memory."""
+    bf16_kernels = torch.ops.mkldnn._is_mkldnn_bf16_supported()
     for m in model.modules():
-        if isinstance(m, Linear) and m.weight.device.type == "cpu" and m.weight.dtype in dtypes and not m.is_packed():
-            m.packed_weight = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), None)
+        if (
+            isinstance(m, Linear)
+            and m.weight.device.type == "cpu"
+            and m.weight.dtype in (torch.float32, torch.bfloat16)
+        ):
+            dtype = m.weight.dtype if bf16_kernels else torch.float32
+            m.packed_weight = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach().to(dtype), None)
+            m.packed_bias = None if m.bias is None else m.bias.detach().to(dtype)
             m.packed_version = m.weight._version
 
 
