@@ -43,8 +43,8 @@ class StepBatch:
     and a subclass's own tables (host_tables)."""
 
     def __init__(self, plan, samplers, device):
-        num_cached = torch.tensor([e.sequence.num_computed for e in plan])  # (R,)
-        num_new = torch.tensor([e.num_tokens for e in plan])  # (R,)
+        num_cached = torch.tensor([s.num_computed for s, _ in plan])  # (R,)
+        num_new = torch.tensor([n for _, n in plan])  # (R,)
         ends = num_new.cumsum(0)  # (R,) each entry's end in the step's tokens
         starts = ends - num_new
         self.entry = torch.repeat_interleave(torch.arange(len(plan)), num_new)  # (N,) each token's plan entry
@@ -53,9 +53,7 @@ class StepBatch:
         self.num_one_token = int((num_new == 1).sum())  # NOTE: the plan puts them first
         self.spans = list(zip(starts.tolist(), ends.tolist()))  # (start, end) of each entry's new tokens
         self.chunks = [Chunk(i, *self.spans[i], int(num_cached[i])) for i in range(self.num_one_token, len(plan))]
-        tokens = [
-            t for e in plan for t in e.sequence.tokens[e.sequence.num_computed : e.sequence.num_computed + e.num_tokens]
-        ]
+        tokens = [t for s, n in plan for t in s.tokens[s.num_computed : s.num_computed + n]]
         entries = torch.tensor([x.entry for x in samplers], dtype=torch.long)
         host = dict(
             idx=torch.tensor(tokens),

@@ -237,7 +237,6 @@ class Engine:
 
     def fork(self, s, seed):  # a sequence that runs on its own from s's tokens and score; fork_kv gives it s's K/V
         child = Sequence(s.request, s.tokens, seed)
-        child.block_hashes = s.block_hashes[:]
         child.score = s.score
         self.start(child, s.status)
         return child

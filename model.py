@@ -30,26 +30,21 @@ def attend(q, k, v, q_pos):
 
 
 class Linear(nn.Linear):
-    """nn.Linear that multiplies by a copy of its weight prepacked for oneDNN, once prepack() made one."""
+    """nn.Linear that multiplies by a copy of its weight prepacked for oneDNN (packed_weight, packed_bias), once
+    prepack() made one."""
 
-    packed_weight = None
-    packed_bias = None
     packed_version = None  # the weight's version the packed copy was made from: a weight changed since is not used
 
     def _apply(self, fn, *args):  # .to(), .double(), ... make a new weight: the copy is stale
-        self.packed_weight = None
+        self.packed_weight = self.packed_version = None
         return super()._apply(fn, *args)
 
-    def is_packed(self):
-        return self.packed_weight is not None and self.packed_version == self.weight._version
-
     def forward(self, x):
-        if not self.is_packed() or torch.is_grad_enabled():
+        if self.packed_version != self.weight._version or torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
-        x_packed = x.to(self.packed_weight.dtype)  # bf16 into a float32 copy: exact
-        return torch.ops.mkldnn._linear_pointwise(x_packed, self.packed_weight, self.packed_bias, "none", [], "").to(
-            x.dtype
-        )
+        weight = self.packed_weight
+        y = torch.ops.mkldnn._linear_pointwise(x.to(weight.dtype), weight, self.packed_bias, "none", [], "")
+        return y.to(x.dtype)  # a bf16 x into a float32 copy and back: exact, then rounded once
 
 
 def prepack(model):

@@ -25,12 +25,11 @@ class BlockAllocator:
     """Clean blocks sit on a LIFO stack: the most recently freed goes out first. A block may have several
     holders (ref_count); a full one, hashed, stays cached after its last holder lets go, and is evicted least
     recently released first, only when no clean block is left.
-    NOTE: the pool's last block, padding_block, is never handed out: padded rows of a step read it harmlessly."""
+    NOTE: the pool's last block, block num_blocks, is never handed out: padded rows of a step read it harmlessly."""
 
     def __init__(self, num_blocks, block_size):
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.padding_block = num_blocks
         self.clean = list(range(num_blocks - 1, -1, -1))  # a stack: block 0 goes out first
         self.cached_free = OrderedDict()  # free blocks still holding hashed K/V, oldest release first
         self.ref_count = [0] * num_blocks
@@ -187,7 +186,7 @@ class PagedBatch(StepBatch):
         S = self.num_one_token
         blocks_read = blocks_for(self.kv_lens, block_size)  # (R,)
         self.blocks_read = blocks_read.tolist()
-        rows = torch.tensor([e.sequence.row for e in plan])
+        rows = torch.tensor([s.row for s, _ in plan])
         table = self.block_tables[rows, : max(self.blocks_read)].long()  # (R, W)
         block = table[self.entry, self.host_positions // block_size]  # (N,)
         slots = block * block_size + self.host_positions % block_size

@@ -66,7 +66,7 @@ def test_linears_are_prepacked_in_bf16_and_compute_what_a_bf16_gemm_does(model):
     inputs, float32 sums, a bf16 result, as PyTorch's own bf16 GEMM, which is several times slower there)."""
     prepack(model)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    assert linears and all(m.is_packed() for m in linears)
+    assert linears and all(m.packed_version == m.weight._version for m in linears)
     native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
     assert all(m.packed_weight.dtype == (torch.bfloat16 if native else torch.float32) for m in linears)
     x = torch.randn(5, model.config.n_embd, dtype=torch.bfloat16)
