@@ -38,9 +38,8 @@ def mm_gflops(dtype, n=4096, repeats=5):
     best = 0
     fns = {"torch.mm": lambda: torch.mm(a, a), "a prepacked oneDNN linear": lambda: linear(a)}
     if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        del fns[
-            "torch.mm"
-        ]  # without bf16 instructions torch.mm emulates bf16 (minutes a call); the engine's linears do not
+        # without bf16 instructions torch.mm emulates bf16 (minutes a call); the engine's linears do not
+        del fns["torch.mm"]
     for fn in fns.values():
         with torch.no_grad():
             fn()
