@@ -58,7 +58,8 @@ class Request:
 
 class Sequence:
     """What runs: tokens whose K/V the engine computes, through a block table, in a row of the engine's
-    per-sequence tensors. A fork starts from its parent's tokens, score and K/V, with its own seed."""
+    per-sequence tensors. A fork starts from its parent's tokens, score and K/V; its seed: seed + i for the n samples, its
+    parent's for a beam."""
 
     def __init__(self, request, tokens, seed):
         self.request = request
@@ -210,7 +211,8 @@ class Engine:
         logits, _ = self.model(batch.idx, batch=batch)  # (len(samplers), V)
         self.mark_computed(plan)
         self.give_forks_kv(plan, samplers)
-        # sampling and beam scores read float32 (float64 stays), as vLLM's; ids past the vocabulary never win
+        # at least float32, as vLLM's (float64 stays for greedy rows; draws and beam scores are float32);
+        # ids past the vocabulary never win
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         logits[:, self.vocab_size :] = float("-inf")
         tokens = self.sample(logits, batch, samplers)
@@ -246,7 +248,8 @@ class Engine:
         r = s.request
         r.status = RequestStatus.RUNNING
         self.temperature[s.row] = r.temperature
-        self.top_k[s.row] = r.top_k if r.top_k and r.top_k < self.vocab_size else 0  # 0: every id is a candidate
+        # 0: every id is a candidate. NOTE: sample() decides "cut or not" by the same rule, from the request
+        self.top_k[s.row] = r.top_k if r.top_k and r.top_k < self.vocab_size else 0
         self.seed[s.row] = s.seed
         s.status = status
         self.running.append(s)
@@ -265,6 +268,7 @@ class Engine:
 
     def sample(self, logits, batch, samplers):
         """A token for every sampler, drawn on the device from its row's settings -> a list: one transfer."""
+        # NOTE: a top_k of None or >= vocab_size keeps every id, as start() writes the row's top_k
         sampled_top_ks = [s.request.top_k or self.vocab_size for s, _ in samplers if s.request.temperature > 0]
         cut_top_ks = [k for k in sampled_top_ks if k < self.vocab_size]
         max_top_k = max(cut_top_ks, default=0)
@@ -283,7 +287,8 @@ class Engine:
         for j, ((s, _), token) in enumerate(zip(samplers, tokens)):
             r = s.request
             s.status = SequenceStatus.DECODING
-            r.first_token_at = r.first_token_at or now
+            if r.first_token_at is None:  # a clock may read 0.0
+                r.first_token_at = now
             if r.num_beams > 1:
                 s.logprobs = logprobs[j]
                 if all(b.logprobs is not None for b in r.sequences):
@@ -301,7 +306,9 @@ class Engine:
         forks, and a beam not continued dies and frees its blocks. Ends when the beams reach max_new_tokens."""
         beams = r.sequences
         scores = torch.stack([b.logprobs for b in beams]) + torch.tensor([b.score for b in beams])[:, None]  # (B, V)
-        top = scores.flatten().topk(min(r.num_beams, scores.numel()))  # the first step may have fewer
+        top = scores.flatten().topk(
+            min(r.num_beams, scores.numel())
+        )  # fewer only when the vocabulary is smaller than num_beams
         V = scores.shape[1]
         picks = [(beams[i // V], i % V, score) for i, score in zip(top.indices.tolist(), top.values.tolist())]
         parents = [parent for parent, _, _ in picks]

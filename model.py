@@ -40,6 +40,7 @@ class Linear(nn.Linear):
         return super()._apply(fn, *args)
 
     def forward(self, x):
+        # training takes F.linear: the packed copy is detached, and no gradient would reach the weight
         if self.packed_version != self.weight._version or torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
         weight = self.packed_weight
@@ -77,7 +78,7 @@ class CausalSelfAttention(nn.Module):
         self.n_embd = config.n_embd
         self.dropout = config.dropout
 
-    def forward(self, x, batch=None, layer=0):
+    def forward(self, x, batch, layer):
         q, k, v = self.c_attn(x).split(self.n_embd, dim=-1)
         hs = self.n_embd // self.n_head
         if batch is None:  # training: x is (B, T, C)
@@ -114,7 +115,7 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x, batch=None, layer=0):
+    def forward(self, x, batch, layer):
         x = x + self.attn(self.ln_1(x), batch, layer)
         return x + self.mlp(self.ln_2(x))
 

@@ -93,6 +93,8 @@ class BlockAllocator:
         return block if cached_tokens == tokens else None
 
     def register(self, block, block_hash, tokens):
+        # NOTE: by_hash and hash_of stay one-to-one (the first block with a hash wins), so that evicting a
+        # block deletes its own entry, never another block's (tests/conftest.py checks it)
         if block_hash not in self.by_hash and block not in self.hash_of:
             self.by_hash[block_hash] = (block, tokens)
             self.hash_of[block] = block_hash
@@ -179,13 +181,12 @@ class PagedBatch(StepBatch):
         self.v_pool = v_pool
         self.block_tables = block_tables
         self.compiled = compiled
-        super().__init__(plan, samplers, k_pool.device)
+        super().__init__(plan, samplers, k_pool.device)  # NOTE: after the fields: it calls host_tables
 
     def host_tables(self, plan):
         block_size = self.k_pool.shape[2]
         S = self.num_one_token
-        blocks_read = blocks_for(self.kv_lens, block_size)  # (R,)
-        self.blocks_read = blocks_read.tolist()
+        self.blocks_read = blocks_for(self.kv_lens, block_size).tolist()  # (R,)
         rows = torch.tensor([s.row for s, _ in plan])
         table = self.block_tables[rows, : max(self.blocks_read)].long()  # (R, W)
         block = table[self.entry, self.host_positions // block_size]  # (N,)

@@ -34,6 +34,7 @@ def invert_cdf(candidates, temperature, u):
     # the max is subtracted before dividing, so a tiny temperature tends to greedy instead of overflowing
     shifted = candidates - candidates.max(-1, keepdim=True).values
     cdf = (shifted / temperature[:, None]).softmax(-1).cumsum(-1)
+    # the cumsum ends at 1 only up to rounding: u is scaled to its real end, and the clamp catches a u rounded onto it
     column = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)
     return column.clamp(max=cdf.size(1) - 1)
 

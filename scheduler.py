@@ -8,8 +8,11 @@ import torch
 from engine import Engine, PlanEntry, SequenceStatus
 from paged import BlockAllocator, PagedBatch, allocate_pool, blocks_for, copy_block
 
-COMPILE_FROM_ROWS = 16  # compile "auto" on a CPU: compiled decode attention from this many rows, as fast or faster
-WATERMARK_EVERY = 100  # one block in every WATERMARK_EVERY is kept free at admission, for running sequences to grow
+# compile "auto" on a CPU: compiled decode attention from this many rows, as fast or faster (docs/compile.md)
+COMPILE_FROM_ROWS = 16
+# one block in every WATERMARK_EVERY is kept free at admission, for running sequences to grow: 1%, as vLLM V0's
+# BlockSpaceManager(watermark=0.01)
+WATERMARK_EVERY = 100
 
 
 class PagedEngine(Engine):
@@ -37,7 +40,7 @@ class PagedEngine(Engine):
         self.watermark = max(1, num_blocks // WATERMARK_EVERY)
         # each running sequence's block table in its row, updated as it grows: no step rebuilds one from a list
         shape = (max_batch, blocks_for(self.window, block_size))
-        self.block_tables = torch.full(shape, num_blocks, dtype=torch.int32, pin_memory=self.k_pool.is_cuda)  # padding
+        self.block_tables = torch.full(shape, num_blocks, dtype=torch.int32)  # num_blocks: padding
 
     def check(self, r):
         super().check(r)
@@ -66,7 +69,9 @@ class PagedEngine(Engine):
 
     def schedule_decodes(self):
         """A slot for each decoding sequence's next token, in the order they started, so that preemption takes
-        the newest started. A reservation may preempt sequences that reserved before it: they leave the plan."""
+        the newest started. A reservation may preempt: a victim that has not reserved yet loses its row before
+        its turn, and one that has (a beam-group mate of a victim) leaves the plan."""
+        # a beam holding logprobs waits for its group: a readmitted group's prefills can end in different steps
         decoding = [s for s in self.running if s.status is SequenceStatus.DECODING and s.logprobs is None]
         for s in decoding:
             if s.row is not None:
@@ -89,8 +94,8 @@ class PagedEngine(Engine):
         self.block_tables[s.row, k] = block
 
     def make_room(self, s):
-        """Preempt the newest running sequences until a block is free, even after evicting cached ones
-        -> whether s still runs."""
+        """Preempt the newest running sequences until one block can be allocated (a free cached block counts:
+        allocate evicts it) -> whether s still runs."""
         while not self.allocator.can_allocate(1):
             victims = self.beam_group(self.running[-1], self.running)  # a beam needs all its group to step
             for victim in reversed(victims):
@@ -142,8 +147,10 @@ class PagedEngine(Engine):
 
     def has_blocks_for(self, group, hits):
         """Whether free blocks cover the group's tokens less the cached ones, and its forks' copies of a shared
-        last block, and leave the watermark."""
+        last block, and leave the watermark. Not while another sequence is computing a lone sequence's next
+        prefix block: it waits, and shares that block next step."""
         s = group[0]
+        # a lone sequence only: a group is a preempted beam group, which comes back whole and first
         if len(group) == 1 and self.prefix_cache and self.prefix_in_flight(s, len(hits[0])):
             return False  # a running sequence is computing this prefix's next block: wait and share it
         need = sum(blocks_for(len(x.tokens), self.block_size) - len(h) for x, h in zip(group, hits))
