@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Regenerate the figures and tables in docs/ that the README shows (about 12 minutes on 2 CPU cores, and
-# 40 more for the compiled-attention table, 30 more for the last three). bench/vllm_compare.py and
+# Regenerate the figures and tables in docs/ that the README shows (about 12 minutes on 2 CPU cores for
+# generate.py's, and about 100 more for the benchmarks: each says its own time below). bench/vllm_compare.py and
 # bench/hf_compare.py are not here: they need their own virtualenvs (see the README).
 # The README's own example commands write to out/ instead, so trying them never touches tracked files.
 set -euo pipefail
