@@ -151,6 +151,10 @@ class Engine:
         self.device = model.lm_head.weight.device
         self.clock = clock or WALL_CLOCK
         keep_freed_memory()
+        # NOTE: process-wide. On a GPU, SDPA's cuDNN backend builds a plan for each new shape, and a step's shapes
+        # change every step: 7x slower end to end in bf16 on an H200 (docs/compile.md#on-a-gpu). Flash and
+        # memory-efficient attention take any shape
+        torch.backends.cuda.enable_cudnn_sdp(False)
         self.observers = []
         self.waiting = deque()  # sequences
         self.running = []  # sequences, in the order they started: a fork joins at the tail

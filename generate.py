@@ -354,6 +354,12 @@ def report(args, kinds, texts, prompts, results, enc):
         )
     if (args.num_requests or args.compare or args.metrics) and not args.sweep_rates:  # a sweep printed its tables
         print(f"--- {workload_name} on {args.device}, {args.dtype}\n{table(runs)}")
+        if args.compare and args.dtype == "bfloat16":
+            print(
+                "in bfloat16 the designs round differently (their attention kernels and batch shapes differ), so "
+                "outputs part after some tokens: same_output_pct checks the engine only in float32 and "
+                "float64 (docs/bf16.md#comparisons-in-bf16)"
+            )
     if args.json:
         if args.sweep_rates:
             out = {"sweep": results.sweep}

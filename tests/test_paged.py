@@ -1,5 +1,6 @@
 """The paged pool, the LIFO allocator, write/gather, gather-attend and the fused scheduler."""
 
+import copy
 import math
 import random
 
@@ -134,6 +135,47 @@ def test_paged_equals_contiguous_token_for_token(model, block_size, token_budget
     assert all(len(g) == n for g, n in zip(got, news))
     if token_budget < 30:
         assert max(s["keys"] for s in engine.meter.steps) > 0 and engine.meter.prefill_tokens >= sum(map(len, prompts))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("compile", ["off", "on"])
+def test_paged_on_cuda_equals_the_cpu_engines_token_for_token(model, compile):
+    """The engine on a GPU (the float64 model, its pool, tables and sampling on the device) against the
+    contiguous baseline on the CPU, greedy and sampled, in a roomy pool and in one that preempts; then n
+    samples and beams, every sequence, against the paged engine on the CPU."""
+    cuda_model = copy.deepcopy(model).cuda()
+    prompts, news, arrivals = random_workload(7, 12)
+    for temperature, top_k in [(0.0, None), (1.0, 30)]:
+        want = baseline(model, prompts, news, temperature, top_k)
+        for num_blocks in (400, 24):
+            engine = PagedEngine(cuda_model, num_blocks, block_size=4, token_budget=16, max_batch=6, compile=compile)
+            requests = make_requests(prompts, news, temperature, top_k)
+            assert run_engine(engine, requests, arrivals, check=True) == want
+        assert engine.meter.num_preemptions > 0
+
+    def forks():
+        samples = [Request(p, 12, 1.0, 30, seed=i, n=3) for i, p in enumerate(prompts[:4])]
+        return samples + [Request(p, 8, num_beams=3) for p in prompts[4:7]]
+
+    for num_blocks in (400, 40):
+        on_cpu, on_cuda = forks(), forks()
+        run_engine(PagedEngine(model, num_blocks, block_size=4, token_budget=16, max_batch=12), on_cpu)
+        engine = PagedEngine(cuda_model, num_blocks, block_size=4, token_budget=16, max_batch=12, compile=compile)
+        run_engine(engine, on_cuda, check=True)
+        for a, b in zip(on_cpu, on_cuda):
+            assert [s.generated for s in a.sequences] == [s.generated for s in b.sequences]
+    assert engine.meter.num_preemptions > 0
+
+
+def test_engines_turn_off_cudnn_attention_which_plans_every_new_shape(model):
+    """On a GPU, SDPA's cuDNN backend builds a plan for each new shape, and a serving step's shapes change every
+    step: bf16 ran 7x slower end to end with it on an H200 (docs/compile.md#on-a-gpu). Both designs turn it off."""
+    from contiguous import ContiguousEngine
+
+    for make in (lambda: PagedEngine(model, num_blocks=8), lambda: ContiguousEngine(model)):
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        make()
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
 
 
 def test_compiled_decode_on_the_cpu_equals_eager_with_one_graph_and_no_recompiles(model):
