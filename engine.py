@@ -58,8 +58,8 @@ class Request:
 
 class Sequence:
     """What runs: tokens whose K/V the engine computes, through a block table, in a row of the engine's
-    per-sequence tensors. A fork starts from its parent's tokens, score and K/V; its seed: seed + i for the n samples, its
-    parent's for a beam."""
+    per-sequence tensors. A fork starts from its parent's tokens, score and K/V; its seed: seed + i for the
+    n samples, its parent's for a beam."""
 
     def __init__(self, request, tokens, seed):
         self.request = request
@@ -160,10 +160,9 @@ class Engine:
         self.running = []  # sequences, in the order they started: a fork joins at the tail
         self.finished = []  # requests
         # each running sequence holds a row of these, so a step reads its sampling settings without copying them
-        self.free_rows = list(range(max_batch - 1, -1, -1))
+        self.free_rows = list(range(max_batch))[::-1]
         self.temperature = torch.zeros(max_batch, device=self.device)
-        self.top_k = torch.zeros(max_batch, dtype=torch.long, device=self.device)
-        self.seed = torch.zeros(max_batch, dtype=torch.long, device=self.device)
+        self.top_k, self.seed = torch.zeros(2, max_batch, dtype=torch.long, device=self.device)
 
     def notify(self, event, *args):
         for observer in self.observers:
@@ -178,14 +177,15 @@ class Engine:
         self.waiting.append(r.sequences[0])
 
     def check(self, r):
-        num_prompt = len(r.prompt)
-        total = num_prompt + r.max_new_tokens
-        if num_prompt == 0:
-            raise ValueError("empty prompt: a request needs at least one token")
+        total = len(r.prompt) + r.max_new_tokens
+        if not r.prompt or min(r.prompt) < 0 or max(r.prompt) >= self.vocab_size:  # else the step fails for all
+            raise ValueError(
+                f"empty prompt, or an id outside the vocabulary's 0..{self.vocab_size - 1}: {r.prompt[:8]}"
+            )
         if r.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens is {r.max_new_tokens}; it must be at least 1")
         if total - 1 > self.window:  # the last new token is never fed back, so it needs no position
-            why = f"prompt of {num_prompt} tokens + max_new_tokens {r.max_new_tokens} = {total}"
+            why = f"prompt of {len(r.prompt)} tokens + max_new_tokens {r.max_new_tokens} = {total}"
             raise ValueError(f"{why} exceeds the model's context of {self.window} (+1: the last is never fed back)")
         if not (math.isfinite(r.temperature) and r.temperature >= 0) or (r.top_k is not None and r.top_k < 1):
             raise ValueError(f"temperature {r.temperature} must be a finite number >= 0 and top_k {r.top_k} >= 1")

@@ -180,7 +180,7 @@ class PagedEngine(Engine):
         s.block_table = cached + self.allocator.allocate(num_new)
         s.num_computed = len(cached) * self.block_size
         self.start(s)
-        self.block_tables[s.row, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
+        self.block_tables[s.row, : len(s.block_table)] = torch.tensor(s.block_table)  # int64 ids, stored as int32
 
     def make_batch(self, plan, samplers):
         num_one_token = sum(n == 1 for _, n in plan)
