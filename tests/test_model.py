@@ -94,9 +94,11 @@ def test_checkpoint_round_trip_gives_identical_logits(tmp_path, prefix):
     assert torch.equal(model(idx)[0], loaded(idx)[0])
 
 
-def test_gpt2_conv1d_weights_transposed_into_our_names_load(tmp_path):
-    """A GPT-2 (HF) state dict, Conv1D weights transposed as nanoGPT's from_pretrained does, and the
-    causal-mask buffers nanoGPT or HF keep, loads unchanged; vocab 50257 picks the full GPT-2 BPE."""
+def test_a_nanogpt_checkpoint_made_from_gpt2_weights_loads_without_its_mask_buffers(tmp_path):
+    """A checkpoint as nanoGPT's from_pretrained makes one from GPT-2 (HF) weights: the test transposes the
+    Conv1D weights into nanoGPT's layout itself, as from_pretrained does, and keeps the causal-mask buffers
+    nanoGPT or HF hold. It loads unchanged, the buffers dropped; vocab 50257 picks the full GPT-2 BPE.
+    (Hugging Face folders, whose Conv1D weights the loader transposes, are tests/test_hf_load.py's.)"""
     config = GPTConfig(block_size=32, vocab_size=50257, n_layer=1, n_head=2, n_embd=16)
     torch.manual_seed(0)
     ours = GPT(config).eval()

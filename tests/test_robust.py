@@ -135,3 +135,38 @@ def test_a_request_is_refused_when_added_twice_or_after_it_finished(model):
     with pytest.raises(ValueError, match="added before .it is done."):
         engine.add(r)
     assert len(r.generated) == 2 and len(engine.finished) == 1
+
+
+def test_preemption_takes_the_newest_so_the_oldest_always_progresses(model):
+    """Under a pool that preempts, every victim started after some sequence that keeps running: the oldest
+    running sequence is never the one let go while others run (vLLM's order; docs/design.md)."""
+    from engine import Observer
+
+    class StartOrder(Observer):
+        def __init__(self, engine):
+            self.engine, self.order, self.victims, self.admissions = engine, {}, 0, 0
+
+        def admitted(self, group):  # a readmitted sequence starts again, at the tail
+            for s in group:
+                self.order[s] = self.admissions
+                self.admissions += 1
+
+        def preempted(self, victim):
+            self.victims += 1
+            others = [self.order[s] for s in self.engine.running]
+            assert not others or self.order[victim] > min(others), "the oldest running sequence was preempted"
+
+    prompts, news = [[i + 1] * (5 + 3 * i) for i in range(8)], [20] * 8
+    engine = PagedEngine(model, num_blocks=20, block_size=4, token_budget=32, max_batch=8)
+    observer = StartOrder(engine)
+    engine.observers.append(observer)
+    assert run_engine(engine, make_requests(prompts, news), check=True) == baseline(model, prompts, news)
+    assert observer.victims > 0
+
+
+def test_a_step_that_plans_nothing_raises_instead_of_spinning(model, monkeypatch):
+    engine = PagedEngine(model, num_blocks=8, block_size=4)
+    engine.add(Request([1, 2, 3], 4))
+    monkeypatch.setattr(engine, "schedule", list)  # a plan of nothing
+    with pytest.raises(RuntimeError, match="no progress: 1 waiting, 0 running"):
+        engine.step()
