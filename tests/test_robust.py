@@ -170,3 +170,21 @@ def test_a_step_that_plans_nothing_raises_instead_of_spinning(model, monkeypatch
     monkeypatch.setattr(engine, "schedule", list)  # a plan of nothing
     with pytest.raises(RuntimeError, match="no progress: 1 waiting, 0 running"):
         engine.step()
+
+
+def test_admission_leaves_the_watermark_and_each_forks_copy_free(model):
+    """With others running, a new sequence is admitted only if its blocks, a copy of its partly filled last
+    block for each fork after the first, and the watermark (1% of the pool) are free; alone, it may take all."""
+    engine = PagedEngine(model, num_blocks=200, block_size=4)  # a watermark of 2 blocks
+    engine.add(Request([1] * 8, 4))
+    engine.step()  # it runs
+    engine.allocator.allocate(engine.allocator.num_free() - 10)  # 10 blocks left free
+
+    def admits(num_tokens, n=1):
+        return engine.has_blocks_for([Request([1] * num_tokens, 1, 1.0, n=n).sequences[0]], [[]])
+
+    assert admits(32) and not admits(36)  # 8 blocks + 2 fit in 10; 9 + 2 do not
+    assert admits(30) and not admits(30, n=3)  # 8 blocks, and 2 copies of the last, partly filled
+    assert admits(32, n=3)  # a full last block is never written: no copies
+    engine.running.clear()
+    assert admits(40)  # alone: all 10
