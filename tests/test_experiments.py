@@ -169,6 +169,8 @@ def test_sweep_writes_one_point_per_rate_and_a_plot(ckpt64, tmp_path):
         set(p["runs"]) == {"contiguous_max", "contiguous_pow2", "contiguous_oracle", "paged", "paged_prefix"}
         for p in sweep
     )
+    # Poisson arrivals: every design still gives the first's tokens, request by request
+    assert all(m["same_output_pct"] == 100 for p in sweep for name, m in p["runs"].items() if name != "contiguous_max")
 
 
 def test_a_request_whose_samples_together_exceed_the_kv_budget_is_refused_in_one_line(model):
