@@ -148,6 +148,7 @@ class Engine:
         self.window = model.config.block_size  # the model's context (nanoGPT's name), not a KV block's size
         # ids from vocab_size on are never sampled: nanoGPT pads GPT-2's 50,257 tokens to 50,304 ids
         self.vocab_size = vocab_size or model.config.vocab_size
+        self.num_ids = model.config.vocab_size  # a prompt's ids index the embedding's rows
         self.device = model.lm_head.weight.device
         self.clock = clock or WALL_CLOCK
         keep_freed_memory()
@@ -178,10 +179,8 @@ class Engine:
 
     def check(self, r):
         total = len(r.prompt) + r.max_new_tokens
-        if not r.prompt or min(r.prompt) < 0 or max(r.prompt) >= self.vocab_size:  # else the step fails for all
-            raise ValueError(
-                f"empty prompt, or an id outside the vocabulary's 0..{self.vocab_size - 1}: {r.prompt[:8]}"
-            )
+        if not r.prompt or min(r.prompt) < 0 or max(r.prompt) >= self.num_ids:  # else the step fails for all
+            raise ValueError(f"empty prompt, or an id outside the model's 0..{self.num_ids - 1}: {r.prompt[:8]}")
         if r.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens is {r.max_new_tokens}; it must be at least 1")
         if total - 1 > self.window:  # the last new token is never fed back, so it needs no position

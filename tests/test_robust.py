@@ -82,9 +82,9 @@ def test_soak_5000_short_requests_through_a_tiny_pool_leak_nothing(model):
     "request_args, message",
     [
         (([], 5), "empty prompt"),
-        (([300], 5), "an id outside the vocabulary's 0..299: [300]"),
-        (([-1], 5), "an id outside the vocabulary's 0..299: [-1]"),
-        (([5, 299999], 5), "an id outside the vocabulary's 0..299: [5, 299999]"),
+        (([300], 5), "an id outside the model's 0..299: [300]"),
+        (([-1], 5), "an id outside the model's 0..299: [-1]"),
+        (([5, 299999], 5), "an id outside the model's 0..299: [5, 299999]"),
         (([1] * 60, 6), "60 tokens + max_new_tokens 6 = 66 exceeds the model's context of 64"),
         (([1] * 10, 0), "max_new_tokens is 0"),
         (([1] * 10, 30), "needs 10 blocks of 4, but the pool has only 8"),
