@@ -309,9 +309,8 @@ class Engine:
         forks, and a beam not continued dies and frees its blocks. Ends when the beams reach max_new_tokens."""
         beams = r.sequences
         scores = torch.stack([b.logprobs for b in beams]) + torch.tensor([b.score for b in beams])[:, None]  # (B, V)
-        top = scores.flatten().topk(
-            min(r.num_beams, scores.numel())
-        )  # fewer only when the vocabulary is smaller than num_beams
+        # fewer than num_beams only when the vocabulary is smaller
+        top = scores.flatten().topk(min(r.num_beams, scores.numel()))
         V = scores.shape[1]
         picks = [(beams[i // V], i % V, score) for i, score in zip(top.indices.tolist(), top.values.tolist())]
         parents = [parent for parent, _, _ in picks]
