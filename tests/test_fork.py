@@ -139,15 +139,19 @@ def test_dying_beams_give_their_blocks_back_and_sharing_saves_blocks(model):
     engine = PagedEngine(model, num_blocks=200, block_size=4, token_budget=64, max_batch=8)
     r = Request(prompt, 12, num_beams=4)
     engine.add(r)
-    held, private = [], []
+    held, private, live, deaths = [], [], [], 0
     while engine.running or engine.waiting:
         engine.step()
         check_invariants(engine)
-        live = [s for s in engine.running]
-        assert len(live) <= 4 and all(s.status is not SequenceStatus.DEAD for s in live)
+        dead = [s for s in live if s.status is SequenceStatus.DEAD]
+        assert all(not s.block_table and s.row is None for s in dead), "a dead beam kept its blocks or row"
+        deaths += len(dead)
+        live = list(engine.running)
+        assert len(live) <= 4
         held.append(engine.allocator.num_blocks - engine.allocator.num_free())
         private.append(sum(len(s.block_table) for s in live))
     assert max(held[1:-1]) < 0.5 * max(private[1:-1]), "four beams held nearly four private copies"
+    assert deaths > 0
     leaks_nothing(engine)
 
 
