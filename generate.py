@@ -256,6 +256,14 @@ def outputs(r):
     return [s.generated for s in returned(r)]
 
 
+def agreement(a, b):
+    """The share of two outputs that is identical before their first difference: 1.0 when they are equal."""
+    if a == b:
+        return 1.0
+    same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return same / max(len(a), len(b))
+
+
 def request_json(texts, requests, enc):
     done = []
     for i, r in enumerate(requests):
@@ -323,8 +331,11 @@ def run_designs(model, kinds, args, prompts, news, vocab_size, results):
             if kind == kinds[0]:
                 first = results.requests
             else:  # token for token against the first run, on the same workload
-                same = sum(outputs(r) == outputs(f) for r, f in zip(results.requests, first))
+                pairs = list(zip(results.requests, first))
+                same = sum(outputs(r) == outputs(f) for r, f in pairs)
                 results.runs[kind]["same_output_pct"] = 100 * same / len(first)
+                shares = [agreement(a, b) for r, f in pairs for a, b in zip(outputs(f), outputs(r))]
+                results.runs[kind]["same_prefix_pct"] = 100 * sum(shares) / len(shares)
         results.sweep.append({"request_rate": rate, "runs": results.runs})
         if args.sweep_rates:
             print(f"--- request rate {rate:g}/s\n{table(results.runs)}", flush=True)
@@ -358,7 +369,8 @@ def report(args, kinds, texts, prompts, results, enc):
             print(
                 "in bfloat16 the designs round differently (their attention kernels and batch shapes differ), so "
                 "outputs part after some tokens: same_output_pct checks the engine only in float32 and "
-                "float64 (docs/bf16.md#comparisons-in-bf16)"
+                "float64; same_prefix_pct is how much of each output agrees before it parts "
+                "(docs/bf16.md#comparisons-in-bf16)"
             )
     if args.json:
         if args.sweep_rates:

@@ -77,6 +77,7 @@ LABELS = {
 }
 TABLE_KEYS = [
     "same_output_pct",
+    "same_prefix_pct",
     "output_tokens",
     "wall_s",
     "output_tok_s",

@@ -268,6 +268,7 @@ def test_compare_serves_the_users_own_prompts(ckpt, tmp_path, capsys, dtype):
     note = "in bfloat16 the designs round differently"
     if dtype == "float32":
         assert runs["paged"]["same_output_pct"] == runs["paged_prefix"]["same_output_pct"] == 100
+        assert runs["paged"]["same_prefix_pct"] == runs["paged_prefix"]["same_prefix_pct"] == 100
         assert note not in capsys.readouterr().out
     else:
         assert note in capsys.readouterr().out
@@ -357,3 +358,11 @@ def test_num_samples_and_beams_print_and_write_every_sequence(ckpt, tmp_path, ca
         ]
     )
     assert json.loads(contiguous.read_text())["requests"][0]["sequences"] == beams
+
+
+def test_agreement_is_the_share_of_an_output_identical_before_its_first_difference():
+    assert generate.agreement([1, 2, 3, 4], [1, 2, 3, 4]) == 1.0
+    assert generate.agreement([1, 2, 9, 4], [1, 2, 3, 4]) == 0.5
+    assert generate.agreement([5, 2], [1, 2]) == 0.0
+    assert generate.agreement([1, 2], [1, 2, 3, 4]) == 0.5  # one stopped early (eos): the rest differs
+    assert generate.agreement([], []) == 1.0
