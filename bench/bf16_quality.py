@@ -97,10 +97,9 @@ def run_vllm(dtype, prompts, windows):
 
 def agreement(a, b):
     """(mean share of each output identical before the first difference, outputs identical throughout)"""
-    shares = []
-    for x, y in zip(a, b):
-        same = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
-        shares.append(same / max(len(x), len(y)))
+    from generate import agreement as share  # --compare's same_prefix_pct, the same measure; main process only
+
+    shares = [share(x, y) for x, y in zip(a, b)]
     return sum(shares) / len(shares), sum(x == y for x, y in zip(a, b))
 
 
