@@ -1,5 +1,5 @@
-"""Requests, the sequences that run for them, and the engine that serves them in steps of one forward:
-plan -> batch -> forward -> sample -> bookkeeping. A subclass decides what runs (schedule) and where K/V
+"""The engine that serves requests (sequence.py) in steps of one forward: plan -> batch -> forward -> sample
+-> bookkeeping. A subclass decides what runs (schedule) and where K/V
 live (make_batch, fork_kv, release): PagedEngine (scheduler.py) and ContiguousEngine (contiguous.py)."""
 
 import ctypes
@@ -7,81 +7,14 @@ import math
 import sys
 import time
 from collections import deque
-from enum import Enum
 from types import SimpleNamespace
 from typing import NamedTuple
 
 import torch
 
-from sampling import sample as sample_tokens
-
-
-class RequestStatus(Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    DONE = "done"
-
-
-class SequenceStatus(Enum):
-    WAITING = "waiting"  # not admitted yet, or preempted: its K/V are recomputed when admitted
-    PREFILLING = "prefilling"
-    DECODING = "decoding"
-    DONE = "done"
-    DEAD = "dead"  # a beam that no survivor continues
-
-
-class Request:
-    """What a user asks for, its times, and its sequences: one until its prompt is computed, then n samples
-    in order, or num_beams live beams best first."""
-
-    def __init__(
-        self, prompt, max_new_tokens, temperature=0, top_k=None, seed=0, n=1, num_beams=1, length_penalty=1.0, eos=None
-    ):
-        self.prompt = list(prompt)
-        self.max_new_tokens = max_new_tokens
-        self.temperature = temperature
-        self.top_k = top_k
-        self.seed = seed  # sample i of n draws with seed + i
-        self.n = n
-        self.num_beams = num_beams
-        self.length_penalty = length_penalty
-        self.eos = eos  # a token that ends each sequence sampling it (as HF's eos_token_id); None: only max_new_tokens
-        self.status = RequestStatus.WAITING
-        self.arrival = self.first_token_at = self.done_at = None  # clock times
-        self.width = max(n, num_beams)  # the sequences it runs at once
-        self.sequences = [Sequence(self, prompt, seed)]
-
-    @property
-    def generated(self):  # the first sample, or the best beam
-        return self.sequences[0].generated
-
-
-class Sequence:
-    """What runs: tokens whose K/V the engine computes, through a block table, in a row of the engine's
-    per-sequence tensors. A fork starts from its parent's tokens, score and K/V; its seed: seed + i for the
-    n samples, its parent's for a beam."""
-
-    def __init__(self, request, tokens, seed):
-        self.request = request
-        self.tokens = list(tokens)
-        self.seed = seed
-        self.status = SequenceStatus.WAITING
-        self.row = None  # while running: its row in the engine's per-sequence tensors
-        self.block_table = []  # physical block of each logical block
-        self.num_computed = 0  # tokens whose K/V are in the cache
-        self.block_hashes = []  # chained hash of each full block of tokens, computed once each
-        self.score = 0.0  # a beam's summed log-probability
-        self.logprobs = None  # a beam's next-token log-probabilities, held until every beam of its group has its own
-
-    @property
-    def generated(self):
-        return self.tokens[len(self.request.prompt) :]
-
-    def num_rows(self):  # rows admission finds for it: before its prompt forks, every sequence its request runs
-        return 1 if len(self.request.sequences) > 1 else self.request.width  # forks never fall back to one
-
-    def num_uncomputed(self):
-        return len(self.tokens) - self.num_computed
+from prepack import prepack
+from sampling import sample
+from sequence import RequestStatus, Sequence, SequenceStatus
 
 
 class PlanEntry(NamedTuple):
@@ -139,7 +72,7 @@ class Engine:
     """Runs requests to completion. Subclasses choose each step's tokens (schedule) and keep K/V (make_batch,
     fork_kv, release)."""
 
-    def __init__(self, model, max_batch=64, vocab_size=None, clock=None):
+    def __init__(self, model, *, max_batch=64, vocab_size=None, clock=None):
         if max_batch < 1:
             raise ValueError(f"max_batch is {max_batch}; it must be at least 1")
         self.model = model
@@ -151,6 +84,7 @@ class Engine:
         self.num_ids = model.config.vocab_size  # a prompt's ids index the embedding's rows
         self.device = model.lm_head.weight.device
         self.clock = clock or WALL_CLOCK
+        prepack(model)  # on a CPU, the linears multiply oneDNN's packed copies of their weights (prepack.py)
         keep_freed_memory()
         # NOTE: process-wide. On a GPU, SDPA's cuDNN backend builds a plan for each new shape, and a step's shapes
         # change every step: 7x slower end to end in bf16 on an H200 (docs/compile.md#on-a-gpu). Flash and
@@ -186,11 +120,12 @@ class Engine:
         if total - 1 > self.window:  # the last new token is never fed back, so it needs no position
             why = f"prompt of {len(r.prompt)} tokens + max_new_tokens {r.max_new_tokens} = {total}"
             raise ValueError(f"{why} exceeds the model's context of {self.window} (+1: the last is never fed back)")
-        if not (math.isfinite(r.temperature) and r.temperature >= 0) or (r.top_k is not None and r.top_k < 1):
-            raise ValueError(f"temperature {r.temperature} must be a finite number >= 0 and top_k {r.top_k} >= 1")
-        beam_ready = r.n == 1 and r.temperature == 0 and r.top_k is None and r.eos is None
-        if min(r.n, r.num_beams) < 1 or (r.num_beams > 1 and not beam_ready):
-            why = f"n {r.n} and num_beams {r.num_beams} must be at least 1"
+        p = r.params
+        if not (math.isfinite(p.temperature) and p.temperature >= 0) or (p.top_k is not None and p.top_k < 1):
+            raise ValueError(f"temperature {p.temperature} must be a finite number >= 0 and top_k {p.top_k} >= 1")
+        beam_ready = p.n == 1 and p.temperature == 0 and p.top_k is None and p.eos is None
+        if min(p.n, p.num_beams) < 1 or (p.num_beams > 1 and not beam_ready):
+            why = f"n {p.n} and num_beams {p.num_beams} must be at least 1"
             raise ValueError(f"{why}; beam search is greedy and runs max_new_tokens: no n, temperature, top_k or eos")
         if r.width > self.max_running:
             raise ValueError(f"{r.width} sequences of one request exceed the {self.max_running} that run at once")
@@ -207,7 +142,7 @@ class Engine:
         plan = self.schedule()
         if not plan:  # admission always lets something run; never spin
             raise RuntimeError(f"no progress: {len(self.waiting)} waiting, {len(self.running)} running")
-        plan.sort(key=lambda entry: entry.num_tokens > 1)  # one-token entries first: they attend together
+        plan.sort(key=lambda e: e.num_tokens > 1)  # one-token entries first: they attend together
         self.notify("planned", plan)
         samplers = self.assign_samplers(plan)
         batch = self.make_batch(plan, samplers)
@@ -220,7 +155,13 @@ class Engine:
         logits[:, self.vocab_size :] = float("-inf")
         tokens = self.sample(logits, batch, samplers)
         self.notify("sampled", plan)
-        self.append(samplers, tokens, logits)
+        now = self.clock.now()
+        self.start_decoding(samplers, now)
+        is_beam = [s.request.params.num_beams > 1 for s, _ in samplers]
+        self.append_tokens([(s, t) for (s, _), t, beam in zip(samplers, tokens, is_beam) if not beam], now)
+        beams = [(j, s) for j, ((s, _), beam) in enumerate(zip(samplers, is_beam)) if beam]
+        if beams:
+            self.hold_logprobs(beams, logits, now)
         self.notify("stepped")
 
     def assign_samplers(self, plan):
@@ -233,8 +174,8 @@ class Engine:
             if num_tokens < s.num_uncomputed():
                 continue
             r = s.request
-            if r.n > 1 and len(r.sequences) == 1:
-                r.sequences += [self.fork(s, r.seed + j) for j in range(1, r.n)]
+            if r.params.n > 1 and len(r.sequences) == 1:
+                r.sequences += [self.fork(s, r.params.seed + j) for j in range(1, r.params.n)]
                 samplers += [Sampler(x, i) for x in r.sequences]
             else:
                 samplers.append(Sampler(s, i))
@@ -248,11 +189,10 @@ class Engine:
 
     def start(self, s, status=SequenceStatus.PREFILLING):
         s.row = self.free_rows.pop()
-        r = s.request
-        r.status = RequestStatus.RUNNING
-        self.temperature[s.row] = r.temperature
-        # 0: every id is a candidate. NOTE: sample() decides "cut or not" by the same rule, from the request
-        self.top_k[s.row] = r.top_k if r.top_k and r.top_k < self.vocab_size else 0
+        s.request.status = RequestStatus.RUNNING
+        # the one place a sequence's settings take their device form; on the device a top_k of 0 keeps every id
+        self.temperature[s.row] = s.request.params.temperature
+        self.top_k[s.row] = s.request.params.cut(self.vocab_size) or 0
         self.seed[s.row] = s.seed
         s.status = status
         self.running.append(s)
@@ -271,37 +211,44 @@ class Engine:
 
     def sample(self, logits, batch, samplers):
         """A token for every sampler, drawn on the device from its row's settings -> a list: one transfer."""
-        # NOTE: a top_k of None or >= vocab_size keeps every id, as start() writes the row's top_k
-        sampled_top_ks = [s.request.top_k or self.vocab_size for s, _ in samplers if s.request.temperature > 0]
-        cut_top_ks = [k for k in sampled_top_ks if k < self.vocab_size]
-        max_top_k = max(cut_top_ks, default=0)
-        uncut = len(cut_top_ks) < len(sampled_top_ks)
+        cuts = [s.request.params.cut(self.vocab_size) for s, _ in samplers if s.request.params.temperature > 0]
         rows = batch.sample_rows
-        settings = self.temperature[rows], self.top_k[rows], self.seed[rows], batch.sample_pos
-        return sample_tokens(logits, *settings, max_top_k, uncut).tolist()
+        tokens = sample(
+            logits,
+            temperature=self.temperature[rows],
+            top_k=self.top_k[rows],
+            seed=self.seed[rows],
+            position=batch.sample_pos,
+            max_top_k=max(filter(None, cuts), default=0),
+            uncut=None in cuts,
+        )
+        return tokens.tolist()
 
-    def append(self, samplers, tokens, logits):
-        """Each token joins its sequence, done at max_new_tokens or eos, and its request when all are. A beam
-        holds its log-probabilities instead; its group steps when all have theirs."""
-        now = self.clock.now()
-        beams = [j for j, (s, _) in enumerate(samplers) if s.request.num_beams > 1]
-        if beams:  # in float32, as HF's beam search
-            logprobs = dict(zip(beams, torch.log_softmax(logits[beams].float(), -1).cpu()))
-        for j, ((s, _), token) in enumerate(zip(samplers, tokens)):
-            r = s.request
+    def start_decoding(self, samplers, now):
+        """The sampled sequences decode from now on; a request's first token is stamped."""
+        for s, _ in samplers:
             s.status = SequenceStatus.DECODING
-            if r.first_token_at is None:  # a clock may read 0.0
-                r.first_token_at = now
-            if r.num_beams > 1:
-                s.logprobs = logprobs[j]
-                if all(b.logprobs is not None for b in r.sequences):
-                    self.step_beams(r, now)
-                continue
+            if s.request.first_token_at is None:  # a clock may read 0.0
+                s.request.first_token_at = now
+
+    def append_tokens(self, sequence_tokens, now):
+        """Each token joins its sequence, done at max_new_tokens or eos; its request is done when all are."""
+        for s, token in sequence_tokens:
+            r = s.request
             s.tokens.append(token)
-            if len(s.generated) == r.max_new_tokens or token == r.eos:  # its blocks free at once
+            if len(s.generated) == r.max_new_tokens or token == r.params.eos:  # its blocks free at once
                 self.stop(s, SequenceStatus.DONE)
                 if all(x.status is SequenceStatus.DONE for x in r.sequences):
                     self.finish(r, now)
+
+    def hold_logprobs(self, beams, logits, now):
+        """Each beam (sampler j, sequence) holds its next-token log-probabilities, in float32 as HF's beam
+        search; a group steps once all its beams hold theirs."""
+        logprobs = torch.log_softmax(logits[[j for j, _ in beams]].float(), -1).cpu()
+        for (_, s), row in zip(beams, logprobs):
+            s.logprobs = row
+            if all(b.logprobs is not None for b in s.request.sequences):
+                self.step_beams(s.request, now)
 
     def step_beams(self, r, now):
         """One step of beam search for r's group, as HF's: the num_beams likeliest continuations of its
@@ -310,7 +257,7 @@ class Engine:
         beams = r.sequences
         scores = torch.stack([b.logprobs for b in beams]) + torch.tensor([b.score for b in beams])[:, None]  # (B, V)
         # fewer than num_beams only when the vocabulary is smaller
-        top = scores.flatten().topk(min(r.num_beams, scores.numel()))
+        top = scores.flatten().topk(min(r.params.num_beams, scores.numel()))
         V = scores.shape[1]
         picks = [(beams[i // V], i % V, score) for i, score in zip(top.indices.tolist(), top.values.tolist())]
         parents = [parent for parent, _, _ in picks]
@@ -324,7 +271,7 @@ class Engine:
             b.logprobs = None
         if len(r.generated) == r.max_new_tokens:
             for b in r.sequences:
-                b.score /= r.max_new_tokens**r.length_penalty  # as HF scores a finished beam
+                b.score /= r.max_new_tokens**r.params.length_penalty  # as HF scores a finished beam
                 self.stop(b, SequenceStatus.DONE)
             self.finish(r, now)
 

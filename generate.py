@@ -18,10 +18,10 @@ from types import SimpleNamespace
 import torch
 
 from checkpoints import SHIPPED, export_hf, get_tokenizer, load_checkpoint
-from engine import Request, RequestStatus
 from metrics import LABELS, returned, table
-from model import prepack
 from plots import PoolMap, plot
+from prepack import prepack
+from sequence import Request, RequestStatus
 from serving import make_engine, make_requests, serve, warm_up, workload
 
 
@@ -278,13 +278,15 @@ def request_json(texts, requests, enc):
                 "text": enc.decode(r.generated),
             }
         )
-        if r.n > 1 or r.num_beams > 1:  # samples in order; beams best first, with HF's length-penalized score
+        if (
+            r.params.n > 1 or r.params.num_beams > 1
+        ):  # samples in order; beams best first, with HF's length-penalized score
             done[-1]["sequences"] = [
                 dict(
                     output_tokens=s.generated,
                     text=enc.decode(s.generated),
                     seed=s.seed,
-                    **(dict(score=s.score) if r.num_beams > 1 else {}),
+                    **(dict(score=s.score) if r.params.num_beams > 1 else {}),
                 )
                 for s in r.sequences
             ]
@@ -355,8 +357,12 @@ def report(args, kinds, texts, prompts, results, enc):
     if not args.num_requests and not args.compare:
         for i, r in enumerate(requests):
             for j, s in enumerate(returned(r)):
-                which = f", sample {j} (seed {s.seed})" if r.n > 1 else ""
-                which += f", best of {r.num_beams} beams (score {r.sequences[0].score:.4f})" if r.num_beams > 1 else ""
+                which = f", sample {j} (seed {s.seed})" if r.params.n > 1 else ""
+                which += (
+                    f", best of {r.params.num_beams} beams (score {r.sequences[0].score:.4f})"
+                    if r.params.num_beams > 1
+                    else ""
+                )
                 print(f"--- request {i}{which}, {len(s.generated)} new tokens\n{texts[i]}{enc.decode(s.generated)}")
         m = runs[kinds[0]]
         print(

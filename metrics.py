@@ -6,9 +6,10 @@ import math
 import numpy as np
 
 from contiguous import ContiguousEngine
-from engine import Observer, SequenceStatus
+from engine import Observer
 from paged import blocks_for
 from scheduler import PagedEngine
+from sequence import SequenceStatus
 
 
 class Meter(Observer):
@@ -64,7 +65,7 @@ def kv_slots(engine):
 
 def returned(r):
     """What a request gives back: its n samples, or its one sequence (the best beam; the JSON lists all)."""
-    return r.sequences if r.n > 1 else r.sequences[:1]
+    return r.sequences if r.params.n > 1 else r.sequences[:1]
 
 
 LABELS = {

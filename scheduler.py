@@ -5,8 +5,9 @@ preempts the newest sequence, to be recomputed. K/V live in the block pool (page
 
 import torch
 
-from engine import Engine, PlanEntry, SequenceStatus
+from engine import Engine, PlanEntry
 from paged import BlockAllocator, PagedBatch, allocate_pool, blocks_for, copy_block
+from sequence import SequenceStatus
 
 # compile "auto" on a CPU: compiled decode attention from this many rows, as fast or faster (docs/compile.md)
 COMPILE_FROM_ROWS = 16
@@ -20,9 +21,18 @@ class PagedEngine(Engine):
     copied on write."""
 
     def __init__(
-        self, model, num_blocks, block_size=16, token_budget=512, max_batch=64, prefix_cache=True, compile="auto", **kw
+        self,
+        model,
+        *,
+        num_blocks,
+        block_size=16,
+        token_budget=512,
+        max_batch=64,
+        prefix_cache=True,
+        compile="auto",
+        **kw,
     ):
-        super().__init__(model, max_batch, **kw)  # and vocab_size, clock
+        super().__init__(model, max_batch=max_batch, **kw)  # and vocab_size, clock
         if min(block_size, token_budget, num_blocks) < 1 or compile not in ("auto", "on", "off"):
             why = f"block_size {block_size}, token_budget {token_budget}, num_blocks {num_blocks} must be >= 1"
             raise ValueError(f"{why}, compile {compile!r} auto, on or off")
@@ -45,9 +55,9 @@ class PagedEngine(Engine):
     def check(self, r):
         super().check(r)
         need = blocks_for(len(r.prompt) + r.max_new_tokens - 1, self.block_size)  # the last token is never fed back
-        if need * r.num_beams > self.allocator.num_blocks:  # a preempted beam group comes back whole
+        if need * r.params.num_beams > self.allocator.num_blocks:  # a preempted beam group comes back whole
             why = f"a request of {len(r.prompt)} + {r.max_new_tokens} tokens needs {need} blocks of {self.block_size}"
-            each = f" for each of {r.num_beams} beams" if r.num_beams > 1 else ""
+            each = f" for each of {r.params.num_beams} beams" if r.params.num_beams > 1 else ""
             raise ValueError(f"{why}{each}, but the pool has only {self.allocator.num_blocks}")
 
     def schedule(self):
@@ -106,7 +116,7 @@ class PagedEngine(Engine):
 
     def beam_group(self, s, sequences):
         """s, with the rest of its beam group among `sequences`, in their order."""
-        if s.request.num_beams == 1:
+        if s.request.params.num_beams == 1:
             return [s]
         return [x for x in sequences if x.request is s.request]
 

@@ -9,10 +9,10 @@ import time
 
 from checkpoints import shakespeare
 from contiguous import ContiguousEngine
-from engine import Request
 from metrics import Meter, metrics
 from paged import blocks_for
 from scheduler import PagedEngine
+from sequence import Request, SamplingParams
 
 
 def workload(enc, args):
@@ -48,19 +48,25 @@ def arrivals(n, rate, seed):
 
 def make_engine(model, kind, args, prompts, news, vocab_size):
     if kind.startswith("contiguous"):
-        return ContiguousEngine(model, args.max_batch, vocab_size, args.kv_budget, kind.partition("_")[2] or "max")
+        return ContiguousEngine(
+            model,
+            max_batch=args.max_batch,
+            vocab_size=vocab_size,
+            kv_budget=args.kv_budget,
+            reserve=kind.partition("_")[2] or "max",
+        )
     num_blocks = args.kv_budget // args.block_size if args.kv_budget else args.num_blocks
     if not num_blocks:  # default: a pool that holds every sequence at once
         width = max(args.num_samples, args.num_beams)
         num_blocks = sum(blocks_for(len(p) + n - 1, args.block_size) for p, n in zip(prompts, news)) * width
     return PagedEngine(
         model,
-        num_blocks,
-        args.block_size,
-        args.token_budget,
-        args.max_batch,
-        kind == "paged_prefix",
-        args.compile,
+        num_blocks=num_blocks,
+        block_size=args.block_size,
+        token_budget=args.token_budget,
+        max_batch=args.max_batch,
+        prefix_cache=kind == "paged_prefix",
+        compile=args.compile,
         vocab_size=vocab_size,
     )
 
@@ -98,13 +104,15 @@ def make_requests(args, prompts, news):
         Request(
             p,
             n,
-            args.temperature,
-            args.top_k,
-            seed=args.seed + i * args.num_samples,
-            n=args.num_samples,
-            num_beams=args.num_beams,
-            length_penalty=args.length_penalty,
-            eos=args.eos,
+            SamplingParams(
+                temperature=args.temperature,
+                top_k=args.top_k,
+                seed=args.seed + i * args.num_samples,
+                n=args.num_samples,
+                num_beams=args.num_beams,
+                length_penalty=args.length_penalty,
+                eos=args.eos,
+            ),
         )
         for i, (p, n) in enumerate(zip(prompts, news))
     ]

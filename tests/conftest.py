@@ -7,9 +7,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from contiguous import ContiguousEngine
-from engine import Request
 from metrics import Meter, kv_slots
 from model import GPT, GPTConfig
+from sequence import Request, SamplingParams
 
 torch.set_num_threads(1)  # tests are many small ops; threads only add overhead on 2 cores
 
@@ -37,7 +37,10 @@ def ckpt(tmp_path_factory):
 
 
 def make_requests(prompts, news, temperature=0.0, top_k=None):
-    return [Request(p, n, temperature, top_k, seed=1000 + i) for i, (p, n) in enumerate(zip(prompts, news))]
+    return [
+        Request(p, n, SamplingParams(temperature=temperature, top_k=top_k, seed=1000 + i))
+        for i, (p, n) in enumerate(zip(prompts, news))
+    ]
 
 
 def check_invariants(engine):
@@ -112,4 +115,4 @@ def run_engine(engine, requests, arrivals=None, check=False):
 
 
 def baseline(model, prompts, news, temperature=0.0, top_k=None, max_batch=4):
-    return run_engine(ContiguousEngine(model, max_batch), make_requests(prompts, news, temperature, top_k))
+    return run_engine(ContiguousEngine(model, max_batch=max_batch), make_requests(prompts, news, temperature, top_k))

@@ -35,7 +35,7 @@ def test_one_graph_forward_equals_eager_and_compiles_no_new_graph_as_steps_chang
     from bench.compile_graph import graph_forward
 
     def run(prompts, news, forward=None):
-        engine = PagedEngine(model, 80, block_size=4, token_budget=24)
+        engine = PagedEngine(model, num_blocks=80, block_size=4, token_budget=24)
         if forward is not None:
             engine.model = lambda idx, batch: (forward(batch), None)
         return run_engine(engine, make_requests(prompts, news), check=True)

@@ -11,10 +11,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import checkpoints
 from checkpoints import get_tokenizer, load_checkpoint, shakespeare
-from engine import PlanEntry, SequenceStatus
-from model import Linear, prepack
+from engine import PlanEntry
 from paged import PagedBatch
+from prepack import Linear, prepack
 from scheduler import PagedEngine
+from sequence import SequenceStatus
 
 
 @pytest.fixture(scope="module")
@@ -155,9 +156,9 @@ def test_bf16_engine_under_preemption_stays_on_the_baselines_path():
     model = load_checkpoint(checkpoints.SHIPPED).to(torch.bfloat16)
     prepack(model)
     prompts, news = prompts_from_the_plays(16, 40), [32] * 16
-    want = run_engine(ContiguousEngine(model, 16), make_requests(prompts, news))
+    want = run_engine(ContiguousEngine(model, max_batch=16), make_requests(prompts, news))
     for compile in ("off", "on"):
-        engine = PagedEngine(model, 24, block_size=4, token_budget=64, max_batch=16, compile=compile)
+        engine = PagedEngine(model, num_blocks=24, block_size=4, token_budget=64, max_batch=16, compile=compile)
         got = run_engine(engine, make_requests(prompts, news), check=True)
         assert engine.meter.num_preemptions > 0
         assert sum(map(agreement, want, got)) / len(want) > 0.75

@@ -9,10 +9,10 @@ from test_model import save_nanogpt_ckpt
 
 import generate
 from contiguous import ContiguousEngine
-from engine import Request
 from metrics import cell, metrics, percentile
 from model import GPT, GPTConfig
 from scheduler import PagedEngine
+from sequence import Request
 
 
 def one_line_error(argv):

@@ -7,9 +7,9 @@ from conftest import baseline, check_invariants, run_engine
 from test_fork import samples_as_separate_requests
 
 from contiguous import ContiguousEngine
-from engine import Request, RequestStatus, SequenceStatus
 from metrics import metrics
 from scheduler import PagedEngine
+from sequence import Request, RequestStatus, SamplingParams, SequenceStatus
 
 
 def cut_at(tokens, eos):
@@ -40,10 +40,10 @@ def test_plain_requests_stop_at_eos_and_give_every_block_back(model, num_blocks)
     want = [cut_at(out, eos) for out in full]
     assert any(len(w) < len(f) for w, f in zip(want, full)) and any(w == f for w, f in zip(want, full))
     for engine in (
-        PagedEngine(model, num_blocks, block_size=4, token_budget=16, max_batch=6),
+        PagedEngine(model, num_blocks=num_blocks, block_size=4, token_budget=16, max_batch=6),
         ContiguousEngine(model, max_batch=6),
     ):
-        requests = [Request(p, n, eos=eos) for p, n in zip(prompts, news)]
+        requests = [Request(p, n, SamplingParams(eos=eos)) for p, n in zip(prompts, news)]
         assert run_engine(engine, requests, check=isinstance(engine, PagedEngine)) == want
         assert len(engine.finished) == len(requests) and all(r.status is RequestStatus.DONE for r in requests)
         assert metrics(engine.meter, 1.0, float("inf"), None)["output_tokens"] == sum(map(len, want))
@@ -59,7 +59,7 @@ def test_samples_stop_one_by_one_and_free_their_blocks_at_once(model):
     want = [cut_at(out, eos) for out in free]
     assert len({len(w) for w in want}) > 1, "the samples should stop at different steps"
     engine = PagedEngine(model, num_blocks=60, block_size=4, token_budget=64, max_batch=8)
-    r = Request(prompt, new, 1.5, seed=seed, n=n, eos=eos)
+    r = Request(prompt, new, SamplingParams(temperature=1.5, seed=seed, n=n, eos=eos))
     engine.add(r)
     while engine.running or engine.waiting:
         engine.step()
@@ -73,13 +73,16 @@ def test_samples_stop_one_by_one_and_free_their_blocks_at_once(model):
 
 def test_forks_and_separate_requests_stop_alike_under_memory_pressure(model):
     prompts, news = workload(seed=8, n=5)
-    requests = [Request(p, m, 1.2, 20, seed=10 * i, n=3) for i, (p, m) in enumerate(zip(prompts, news))]
+    requests = [
+        Request(p, m, SamplingParams(temperature=1.2, top_k=20, seed=10 * i, n=3))
+        for i, (p, m) in enumerate(zip(prompts, news))
+    ]
     free = [
         samples_as_separate_requests(model, p, m, 3, 10 * i, 1.2, 20) for i, (p, m) in enumerate(zip(prompts, news))
     ]
     eos = common_token([out for outs in free for out in outs])
     for r in requests:
-        r.eos = eos
+        r.params.eos = eos
     engine = PagedEngine(model, num_blocks=16, block_size=4, token_budget=16, max_batch=12)
     run_engine(engine, requests, check=True)
     assert [[s.generated for s in r.sequences] for r in requests] == [[cut_at(o, eos) for o in outs] for outs in free]
@@ -89,5 +92,5 @@ def test_forks_and_separate_requests_stop_alike_under_memory_pressure(model):
 def test_beam_search_with_eos_is_refused_in_one_line(model):
     engine = PagedEngine(model, num_blocks=10, block_size=4)
     with pytest.raises(ValueError, match="beam search is greedy and runs max_new_tokens") as e:
-        engine.add(Request([1, 2, 3], 4, num_beams=2, eos=0))
+        engine.add(Request([1, 2, 3], 4, SamplingParams(num_beams=2, eos=0)))
     assert "\n" not in str(e.value)

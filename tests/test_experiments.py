@@ -12,9 +12,9 @@ from test_model import save_nanogpt_ckpt
 import generate
 import serving
 from contiguous import ContiguousEngine
-from engine import Request
 from metrics import Meter
 from scheduler import PagedEngine
+from sequence import Request, SamplingParams
 
 
 class FakeClock:
@@ -85,9 +85,9 @@ def test_rate_inf_and_no_budget_give_exactly_todays_outputs_and_step_counts(mode
     prompts = [[rng.randrange(300) for _ in range(rng.randint(1, 30))] for _ in range(20)]
     news = [rng.randint(1, 20) for _ in prompts]
     for engine, steps in [
-        (ContiguousEngine(model, 6), 38),
-        (PagedEngine(model, 60, 4, 16, 6), 45),
-        (PagedEngine(model, 60, 4, 16, 6, prefix_cache=False), 45),
+        (ContiguousEngine(model, max_batch=6), 38),
+        (PagedEngine(model, num_blocks=60, block_size=4, token_budget=16, max_batch=6), 45),
+        (PagedEngine(model, num_blocks=60, block_size=4, token_budget=16, max_batch=6, prefix_cache=False), 45),
     ]:
         requests, meter = make_requests(prompts, news), Meter(engine)
         engine.run(requests)
@@ -179,4 +179,4 @@ def test_a_request_whose_samples_together_exceed_the_kv_budget_is_refused_in_one
     engine = ContiguousEngine(model, max_batch=8, kv_budget=64, reserve="max")  # max: the 64-token context
     engine.add(Request([1, 2, 3], 4))
     with pytest.raises(ValueError, match="reserves 64 slots for each of 2 sequences under --reserve max, but the KV"):
-        engine.add(Request([1, 2, 3], 4, temperature=1.0, n=2))
+        engine.add(Request([1, 2, 3], 4, SamplingParams(temperature=1.0, n=2)))

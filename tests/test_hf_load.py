@@ -9,8 +9,8 @@ from test_model import save_nanogpt_ckpt
 
 import generate
 from checkpoints import export_hf, load_checkpoint
-from engine import Request
 from scheduler import PagedEngine
+from sequence import Request
 
 transformers = pytest.importorskip("transformers")
 
@@ -45,7 +45,7 @@ def test_hf_gpt2_folder_loads_with_hf_logits_and_greedy_tokens(tmp_path, activat
         )[0, len(p) :].tolist()
         for p in prompts
     ]
-    got = run_engine(PagedEngine(ours, 60, block_size=4), [Request(p, 12) for p in prompts])
+    got = run_engine(PagedEngine(ours, num_blocks=60, block_size=4), [Request(p, 12) for p in prompts])
     assert got == want
 
 

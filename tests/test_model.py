@@ -9,10 +9,11 @@ from conftest import baseline, make_requests, run_engine, tiny_gpt
 import generate
 from checkpoints import get_tokenizer, load_checkpoint, shakespeare
 from contiguous import ContiguousBatch, ContiguousEngine
-from engine import PlanEntry, Request, Sampler
+from engine import PlanEntry, Sampler
 from model import GPT, GPTConfig
 from paged import PagedBatch
 from sampling import sample, uniform
+from sequence import Request
 
 
 def incremental_logits(model, prompts, decode_steps, make_batch):
@@ -152,9 +153,9 @@ def test_shakespeare_is_plain_speaker_and_verse_text():
 def test_seeded_sample_is_the_same_alone_and_in_a_batch(model, temperature, top_k):
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9], [3, 2]]
     news = [12, 20, 5, 16]
-    together = run_engine(ContiguousEngine(model, 4), make_requests(prompts, news, temperature, top_k))
+    together = run_engine(ContiguousEngine(model, max_batch=4), make_requests(prompts, news, temperature, top_k))
     for i in range(len(prompts)):
-        alone = run_engine(ContiguousEngine(model, 1), [make_requests(prompts, news, temperature, top_k)[i]])
+        alone = run_engine(ContiguousEngine(model, max_batch=1), [make_requests(prompts, news, temperature, top_k)[i]])
         assert together[i] == alone[0]
     assert together != baseline(model, prompts, news)  # sampling really sampled: not the greedy output
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from conftest import baseline, make_requests, run_engine
 
-from engine import Request, RequestStatus
 from paged import BlockAllocator, gather_attend, gather_kv, write_kv
 from scheduler import PagedEngine
+from sequence import Request, RequestStatus, SamplingParams
 
 
 def test_lifecycle_prompt_blocks_then_one_more_when_decode_crosses_a_boundary(model):
@@ -128,7 +128,8 @@ def random_workload(seed, n, max_prompt=30, max_new=25, vocab=300):
 def test_paged_equals_contiguous_token_for_token(model, block_size, token_budget, temperature, top_k):
     """Mixed prompt lengths, arrivals at different steps, and budgets smaller than a prompt, so prefill
     is chunked across steps while others decode."""
-    from engine import Observer, SequenceStatus
+    from engine import Observer
+    from sequence import SequenceStatus
 
     class MixedSteps(Observer):  # steps where a prompt's chunk, short of its prompt, runs beside a decode
         count = 0
@@ -161,19 +162,25 @@ def test_paged_on_cuda_equals_the_cpu_engines_token_for_token(model, compile):
     for temperature, top_k in [(0.0, None), (1.0, 30)]:
         want = baseline(model, prompts, news, temperature, top_k)
         for num_blocks in (400, 24):
-            engine = PagedEngine(cuda_model, num_blocks, block_size=4, token_budget=16, max_batch=6, compile=compile)
+            engine = PagedEngine(
+                cuda_model, num_blocks=num_blocks, block_size=4, token_budget=16, max_batch=6, compile=compile
+            )
             requests = make_requests(prompts, news, temperature, top_k)
             assert run_engine(engine, requests, arrivals, check=True) == want
         assert engine.meter.num_preemptions > 0
 
     def forks():
-        samples = [Request(p, 12, 1.0, 30, seed=i, n=3) for i, p in enumerate(prompts[:4])]
-        return samples + [Request(p, 8, num_beams=3) for p in prompts[4:7]]
+        samples = [
+            Request(p, 12, SamplingParams(temperature=1.0, top_k=30, seed=i, n=3)) for i, p in enumerate(prompts[:4])
+        ]
+        return samples + [Request(p, 8, SamplingParams(num_beams=3)) for p in prompts[4:7]]
 
     for num_blocks in (400, 40):
         on_cpu, on_cuda = forks(), forks()
-        run_engine(PagedEngine(model, num_blocks, block_size=4, token_budget=16, max_batch=12), on_cpu)
-        engine = PagedEngine(cuda_model, num_blocks, block_size=4, token_budget=16, max_batch=12, compile=compile)
+        run_engine(PagedEngine(model, num_blocks=num_blocks, block_size=4, token_budget=16, max_batch=12), on_cpu)
+        engine = PagedEngine(
+            cuda_model, num_blocks=num_blocks, block_size=4, token_budget=16, max_batch=12, compile=compile
+        )
         run_engine(engine, on_cuda, check=True)
         for a, b in zip(on_cpu, on_cuda):
             assert [s.generated for s in a.sequences] == [s.generated for s in b.sequences]

@@ -4,9 +4,9 @@ import random
 
 from conftest import baseline, check_invariants, make_requests, run_engine
 
-from engine import Request, RequestStatus, Sequence
 from paged import BlockAllocator
 from scheduler import PagedEngine
+from sequence import Request, RequestStatus, SamplingParams, Sequence
 
 
 def shared_prefix_workload():
@@ -25,8 +25,10 @@ def test_outputs_identical_with_cache_on_off_and_on_the_baseline(model):
     prompts, news = shared_prefix_workload()
     want = baseline(model, prompts, news)
     for block_size, budget in [(4, 64), (4, 6), (3, 256)]:
-        on = PagedEngine(model, 300, block_size, budget, max_batch=5)
-        off = PagedEngine(model, 300, block_size, budget, max_batch=5, prefix_cache=False)
+        on = PagedEngine(model, num_blocks=300, block_size=block_size, token_budget=budget, max_batch=5)
+        off = PagedEngine(
+            model, num_blocks=300, block_size=block_size, token_budget=budget, max_batch=5, prefix_cache=False
+        )
         assert run_engine(on, make_requests(prompts, news), check=True) == want
         assert run_engine(off, make_requests(prompts, news), check=True) == want
         assert on.meter.prefill_tokens < 0.5 * off.meter.prefill_tokens and on.meter.cached_tokens > 0
@@ -34,7 +36,7 @@ def test_outputs_identical_with_cache_on_off_and_on_the_baseline(model):
 
 
 def test_identical_blocks_behind_different_prefixes_never_hit(model):
-    engine = PagedEngine(model, 50, block_size=4, token_budget=64)
+    engine = PagedEngine(model, num_blocks=50, block_size=4, token_budget=64)
     common = [9, 9, 9, 9]
     a, b = Request([1, 2, 3, 4] + common + [5], 1), Request([6, 7, 8, 1] + common + [5], 1)
     run_engine(engine, [a])
@@ -44,7 +46,7 @@ def test_identical_blocks_behind_different_prefixes_never_hit(model):
 
 
 def test_entirely_cached_prompt_still_computes_its_last_token(model):
-    engine = PagedEngine(model, 50, block_size=4, token_budget=64)
+    engine = PagedEngine(model, num_blocks=50, block_size=4, token_budget=64)
     prompt = list(range(10, 22))  # 12 tokens: block-aligned, 3 full blocks
     first, again = Request(prompt, 2), Request(prompt, 2)
     run_engine(engine, [first])
@@ -56,7 +58,7 @@ def test_entirely_cached_prompt_still_computes_its_last_token(model):
 
 
 def test_shared_block_survives_its_first_holder_and_pool_is_reclaimable_at_the_end(model):
-    engine = PagedEngine(model, 20, block_size=4, token_budget=64)
+    engine = PagedEngine(model, num_blocks=20, block_size=4, token_budget=64)
     prefix = list(range(30, 38))  # two full blocks
     run_engine(engine, [Request(prefix + [1], 1)])  # computes and caches the prefix, then lets go
     first, second = Request(prefix + [2], 3), Request(prefix + [3], 30)
@@ -91,7 +93,7 @@ def test_eviction_takes_clean_blocks_first_then_least_recently_released():
 def test_same_prefix_admitted_together_is_computed_once(model):
     prefix = list(range(40, 64))  # six blocks of 4
     want = baseline(model, [prefix + [1], prefix + [2], prefix + [3]], [3, 3, 3])
-    engine = PagedEngine(model, 60, block_size=4, token_budget=10)  # prefill takes several steps
+    engine = PagedEngine(model, num_blocks=60, block_size=4, token_budget=10)  # prefill takes several steps
     got = run_engine(engine, make_requests([prefix + [1], prefix + [2], prefix + [3]], [3, 3, 3]), check=True)
     assert got == want
     # the first computes all 25 tokens; the others wait for its six blocks, share them, and compute 1 token each
@@ -106,7 +108,7 @@ def test_a_readmitted_beam_group_keeps_every_members_cached_blocks_while_another
     beam's own prefix."""
     engine = PagedEngine(model, num_blocks=6, block_size=2, token_budget=64)
     alloc = engine.allocator
-    r = Request([9, 9, 9, 9, 9], 4, num_beams=2)
+    r = Request([9, 9, 9, 9, 9], 4, SamplingParams(num_beams=2))
     first = r.sequences[0]
     second = Sequence(r, [1, 2, 3, 4, 5], seed=0)  # a beam whose first two blocks are cached
     other = Sequence(r, [7, 7, 8, 8], seed=0)

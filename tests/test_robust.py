@@ -8,8 +8,8 @@ from conftest import baseline, make_requests, run_engine
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine import Request, RequestStatus
 from scheduler import PagedEngine
+from sequence import Request, RequestStatus, SamplingParams
 
 
 @st.composite
@@ -42,7 +42,14 @@ def workloads(draw):
 @given(w=workloads())
 def test_random_workloads_keep_invariants_and_match_the_baseline(model, w):
     want = baseline(model, w["prompts"], w["news"], w["temperature"], 40)
-    engine = PagedEngine(model, w["num_blocks"], w["block_size"], w["token_budget"], w["max_batch"], w["prefix_cache"])
+    engine = PagedEngine(
+        model,
+        num_blocks=w["num_blocks"],
+        block_size=w["block_size"],
+        token_budget=w["token_budget"],
+        max_batch=w["max_batch"],
+        prefix_cache=w["prefix_cache"],
+    )
     got = run_engine(engine, make_requests(w["prompts"], w["news"], w["temperature"], 40), w["arrivals"], check=True)
     assert got == want
     assert engine.allocator.num_free() == w["num_blocks"] and not engine.running and not engine.waiting
@@ -70,7 +77,8 @@ def test_soak_5000_short_requests_through_a_tiny_pool_leak_nothing(model):
     rng = random.Random(5)
     engine = PagedEngine(model, num_blocks=12, block_size=2, token_budget=24, max_batch=12)
     requests = [
-        Request([rng.randrange(300) for _ in range(rng.randint(1, 4))], rng.randint(1, 3), seed=i) for i in range(5000)
+        Request([rng.randrange(300) for _ in range(rng.randint(1, 4))], rng.randint(1, 3), SamplingParams(seed=i))
+        for i in range(5000)
     ]
     run_engine(engine, requests)
     assert all(r.status is RequestStatus.DONE and len(r.generated) == r.max_new_tokens for r in requests)
@@ -98,7 +106,8 @@ def test_requests_that_can_never_run_are_refused_and_others_go_on(model, request
     fine = Request([1, 2, 3], 4)
     engine.add(fine)
     with pytest.raises(ValueError, match=re.escape(message)):
-        engine.add(Request(*request_args))
+        prompt, max_new_tokens, *settings = request_args
+        engine.add(Request(prompt, max_new_tokens, SamplingParams(*settings)))
     run_engine(engine, [])
     assert fine.status is RequestStatus.DONE and len(fine.generated) == 4 and engine.allocator.num_free() == 8
 
@@ -181,7 +190,9 @@ def test_admission_leaves_the_watermark_and_each_forks_copy_free(model):
     engine.allocator.allocate(engine.allocator.num_free() - 10)  # 10 blocks left free
 
     def admits(num_tokens, n=1):
-        return engine.has_blocks_for([Request([1] * num_tokens, 1, 1.0, n=n).sequences[0]], [[]])
+        return engine.has_blocks_for(
+            [Request([1] * num_tokens, 1, SamplingParams(temperature=1.0, n=n)).sequences[0]], [[]]
+        )
 
     assert admits(32) and not admits(36)  # 8 blocks + 2 fit in 10; 9 + 2 do not
     assert admits(30) and not admits(30, n=3)  # 8 blocks, and 2 copies of the last, partly filled

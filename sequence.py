@@ -1,0 +1,83 @@
+"""What a user asks for and what runs for it: a Request holds its prompt, its SamplingParams and its times; its
+Sequences hold tokens, a block table and a row of the engine's per-sequence tensors."""
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+@dataclass
+class SamplingParams:
+    """How a request's next tokens are chosen. One meaning each: top_k None keeps every id, eos None runs to
+    max_new_tokens (as nanoGPT's sample.py), temperature 0 is greedy."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    seed: int = 0  # sample i of n draws with seed + i
+    n: int = 1  # samples, forked after one prefill
+    num_beams: int = 1  # beam search (greedy, as transformers' num_beams)
+    length_penalty: float = 1.0  # a finished beam's score is divided by (new tokens) ** this, as HF's
+    eos: int | None = None  # a token that ends each sequence sampling it (as HF's eos_token_id)
+
+    def cut(self, vocab_size):
+        """The top_k that cuts the candidates, or None: a top_k of vocab_size or more keeps every id."""
+        return self.top_k if self.top_k is not None and self.top_k < vocab_size else None
+
+
+class RequestStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    DONE = "done"
+
+
+class SequenceStatus(Enum):
+    WAITING = "waiting"  # not admitted yet, or preempted: its K/V are recomputed when admitted
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    DONE = "done"
+    DEAD = "dead"  # a beam that no survivor continues
+
+
+class Request:
+    """What a user asks for, its times, and its sequences: one until its prompt is computed, then n samples
+    in order, or num_beams live beams best first."""
+
+    def __init__(self, prompt, max_new_tokens, params=None):
+        self.prompt = list(prompt)
+        self.max_new_tokens = max_new_tokens
+        self.params = params or SamplingParams()
+        self.status = RequestStatus.WAITING
+        self.arrival = self.first_token_at = self.done_at = None  # clock times
+        self.width = max(self.params.n, self.params.num_beams)  # the sequences it runs at once
+        self.sequences = [Sequence(self, prompt, self.params.seed)]
+
+    @property
+    def generated(self):  # the first sample, or the best beam
+        return self.sequences[0].generated
+
+
+class Sequence:
+    """What runs: tokens whose K/V the engine computes, through a block table, in a row of the engine's
+    per-sequence tensors. A fork starts from its parent's tokens, score and K/V; its seed: seed + i for the
+    n samples, its parent's for a beam."""
+
+    def __init__(self, request, tokens, seed):
+        self.request = request
+        self.tokens = list(tokens)
+        self.seed = seed
+        self.status = SequenceStatus.WAITING
+        self.row = None  # while running: its row in the engine's per-sequence tensors
+        self.block_table = []  # physical block of each logical block
+        self.num_computed = 0  # tokens whose K/V are in the cache
+        self.block_hashes = []  # chained hash of each full block of tokens, computed once each
+        self.score = 0.0  # a beam's summed log-probability
+        self.logprobs = None  # a beam's next-token log-probabilities, held until every beam of its group has its own
+
+    @property
+    def generated(self):
+        return self.tokens[len(self.request.prompt) :]
+
+    def num_rows(self):  # rows admission finds for it: before its prompt forks, every sequence its request runs
+        return 1 if len(self.request.sequences) > 1 else self.request.width  # forks never fall back to one
+
+    def num_uncomputed(self):
+        return len(self.tokens) - self.num_computed
