@@ -18,7 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from bench.vllm_compare import cpu_line
 
 N_EMBD = 768  # GPT-2 small
