@@ -32,7 +32,7 @@ def test_one_graph_forward_equals_eager_and_compiles_no_new_graph_as_steps_chang
     from torch._dynamo.utils import counters
     from torch._inductor.utils import run_and_get_code
 
-    from bench.compile_graph import graph_forward
+    from bench.archive.compile_graph import graph_forward
 
     def run(prompts, news, forward=None):
         engine = PagedEngine(model, num_blocks=80, block_size=4, token_budget=24)
@@ -70,7 +70,7 @@ def test_sampling_bench_times_the_engines_own_sample_call(model):
 @pytest.mark.parametrize("rows", [1, 8])
 def test_linear_postops_bench_times_sides_that_compute_the_same(rows):
     """bench/linear_postops.py: oneDNN's GELU and add post-ops give what the linear and the op apart give."""
-    from bench.linear_postops import sides_for
+    from bench.archive.linear_postops import sides_for
 
     g = torch.Generator().manual_seed(rows)
     fc_weight, proj_weight = torch.randn(64, 16, generator=g), torch.randn(16, 64, generator=g)
