@@ -20,14 +20,25 @@ class Chunk(NamedTuple):
     num_cached: int
 
 
-def stage(tensors, device):
-    """One host-to-device copy for every small tensor of the step -> {name: a view of it on the device}."""
-    flat = torch.cat([t.flatten().long() for t in tensors.values()])
-    if device.type == "cuda":
-        flat = flat.pin_memory()  # from pinned memory the copy runs async; the step's end waits for it
-    flat = flat.to(device, non_blocking=True)
-    pieces = flat.split([t.numel() for t in tensors.values()])
-    return {name: piece.view(t.shape) for (name, t), piece in zip(tensors.items(), pieces)}
+class Staging:
+    """The device buffer every step's small tensors are copied into, in one copy from one host buffer (pinned
+    on CUDA). A field sits at the same address in every step of the same shape, which a captured graph needs.
+    NOTE: it grows only for a step larger than any before; an engine that captures graphs sizes it first."""
+
+    def __init__(self, device, size=0):
+        self.host_buffer = torch.zeros(size, dtype=torch.long, pin_memory=device.type == "cuda")
+        self.device_buffer = self.host_buffer.to(device)
+
+    def load(self, tensors):
+        """{name: host tensor} -> {name: a view of the device buffer}."""
+        sizes = [t.numel() for t in tensors.values()]
+        if sum(sizes) > len(self.host_buffer):
+            self.__init__(self.device_buffer.device, sum(sizes))
+        host = self.host_buffer[: sum(sizes)]
+        torch.cat([t.flatten() for t in tensors.values()], out=host)
+        device = self.device_buffer[: sum(sizes)]
+        device.copy_(host, non_blocking=True)  # the step's end waits for the sampled tokens, and so for this
+        return {name: piece.view(t.shape) for (name, t), piece in zip(tensors.items(), device.split(sizes))}
 
 
 class StepBatch:
@@ -37,44 +48,47 @@ class StepBatch:
     (sequence, entry) reads the logits of its entry's last token: the forks of a prompt share its entry.
     Built on the host, then staged to the device in one copy, from which it has, on the device:
         idx, positions: (N,) the step's new tokens and their positions in their sequences;
-        logit_rows: (S,) the token whose logits each sampler reads;
+        logit_rows: (S,) the token whose logits each of the S samplers reads;
         sample_rows: (S,) each sampler's row in the engine's per-sequence tensors;
         sample_pos: (S,) the position of the token each sampler draws;
-    and a subclass's own tables (host_tables)."""
+    and a subclass's own tables (host_tensors). The constructor changes nothing but the staging buffer."""
 
-    def __init__(self, plan, samplers, device):
-        num_cached = torch.tensor([s.num_computed for s, _ in plan])  # (R,)
-        num_new = torch.tensor([n for _, n in plan])  # (R,)
+    def __init__(self, plan, samplers, staging):
+        num_cached = torch.tensor([s.num_computed for s, _ in plan], dtype=torch.long)  # (R,)
+        num_new = torch.tensor([n for _, n in plan], dtype=torch.long)  # (R,)
         ends = num_new.cumsum(0)  # (R,) each entry's end in the step's tokens
         starts = ends - num_new
-        self.entry = torch.repeat_interleave(torch.arange(len(plan)), num_new)  # (N,) each token's plan entry
-        self.host_positions = num_cached[self.entry] + torch.arange(len(self.entry)) - starts[self.entry]  # (N,)
+        self.token_entry = torch.repeat_interleave(torch.arange(len(plan)), num_new)  # (N,) each token's plan entry
+        self.host_positions = (
+            num_cached[self.token_entry] + torch.arange(len(self.token_entry)) - starts[self.token_entry]
+        )
         self.kv_lens = num_cached + num_new  # (R,) keys each entry has after this step
         self.num_one_token = int((num_new == 1).sum())  # NOTE: the plan puts them first
+        self.last_token = ends - 1  # (R,) each entry's last token in the step's tokens
         self.spans = list(zip(starts.tolist(), ends.tolist()))  # (start, end) of each entry's new tokens
         self.chunks = [Chunk(i, *self.spans[i], int(num_cached[i])) for i in range(self.num_one_token, len(plan))]
-        tokens = [t for s, n in plan for t in s.tokens[s.num_computed : s.num_computed + n]]
-        entries = torch.tensor([x.entry for x in samplers], dtype=torch.long)
-        host = dict(
-            idx=torch.tensor(tokens),
-            positions=self.host_positions,
-            logit_rows=(ends - 1)[entries],
-            sample_rows=torch.tensor([x.sequence.row for x in samplers]),
-            sample_pos=self.kv_lens[entries],
-            **self.host_tables(plan),
-        )
-        vars(self).update(stage(host, device))
+        self.tokens = [t for s, n in plan for t in s.tokens[s.num_computed : s.num_computed + n]]
+        self.sampled_entries = torch.tensor([x.entry for x in samplers], dtype=torch.long)  # (S,)
+        self.samplers = samplers
+        vars(self).update(staging.load(self.host_tensors(plan)))
 
-    def host_tables(self, plan):  # hook: a subclass's own tables, {name: host tensor}, staged with the rest
-        return {}
+    def host_tensors(self, plan):
+        """{name: host tensor} of what the forward reads; a subclass adds its own tables."""
+        return dict(
+            idx=torch.tensor(self.tokens, dtype=torch.long),
+            positions=self.host_positions,
+            logit_rows=self.last_token[self.sampled_entries],
+            sample_rows=torch.tensor([x.sequence.row for x in self.samplers], dtype=torch.long),
+            sample_pos=self.kv_lens[self.sampled_entries],
+        )
 
     def store(self, layer, k, v):  # hook: keep one layer's new K/V, k, v: (N, H, D)
         raise NotImplementedError
 
-    def attend_one_token(self, layer, q):  # hook: q (S, H, D) -> (S, H, D), the one-token entries' attention
+    def attend_one_token(self, layer, q):  # hook: q (B, H, D) -> (B, H, D), the B one-token entries' attention
         raise NotImplementedError
 
-    def chunk_kv(self, layer, entry):  # hook: the keys and values a chunk attends, its own too: (1, L, H, D) each
+    def chunk_kv(self, layer, chunk):  # hook: the keys and values a chunk attends, its own too: (1, L, H, D) each
         raise NotImplementedError
 
     def attend(self, layer, q, k, v):
@@ -94,5 +108,5 @@ class StepBatch:
             qc, kc, vc = (t[None, a:b].transpose(1, 2) for t in (q, k, v))  # (1, H, n, D): CPU flash needs 4-D
             y = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True)
             return y[0].transpose(0, 1)
-        keys, values = self.chunk_kv(layer, chunk.entry)  # a chunk after cached tokens reads them back
+        keys, values = self.chunk_kv(layer, chunk)  # a chunk after cached tokens reads them back
         return attend(q[None, a:b], keys, values, self.positions[None, a:b])[0]

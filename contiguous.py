@@ -14,26 +14,26 @@ class ContiguousBatch(StepBatch):
     """The baseline's cache seen by one forward: each sequence's K/V are its own tensors, grown by
     torch.cat every step; decode rows are padded side by side to attend in one call."""
 
-    def __init__(self, plan, samplers, device):
+    def __init__(self, plan, samplers, staging):
         self.sequences = [s for s, _ in plan]
-        super().__init__(plan, samplers, device)
+        super().__init__(plan, samplers, staging)
 
-    def host_tables(self, plan):
-        return dict(decode_pos=self.kv_lens[: self.num_one_token, None] - 1)  # (S, 1): each one's last position
+    def host_tensors(self, plan):  # and decode_pos (B, 1): each one-token entry's last position
+        return dict(super().host_tensors(plan), decode_pos=self.kv_lens[: self.num_one_token, None] - 1)
 
     def store(self, layer, k, v):  # k, v: (N, H, D)
         for s, (a, b) in zip(self.sequences, self.spans):
             s.k[layer] = torch.cat([s.k[layer], k[a:b]])
             s.v[layer] = torch.cat([s.v[layer], v[a:b]])
 
-    def attend_one_token(self, layer, q):  # q: (S, H, D)
+    def attend_one_token(self, layer, q):  # q: (B, H, D)
         decoding = self.sequences[: self.num_one_token]
-        k = pad_sequence([s.k[layer] for s in decoding], batch_first=True)  # (S, L, H, D)
+        k = pad_sequence([s.k[layer] for s in decoding], batch_first=True)  # (B, L, H, D)
         v = pad_sequence([s.v[layer] for s in decoding], batch_first=True)
         return attend(q[:, None], k, v, self.decode_pos)[:, 0]
 
-    def chunk_kv(self, layer, entry):
-        s = self.sequences[entry]
+    def chunk_kv(self, layer, chunk):
+        s = self.sequences[chunk.entry]
         return s.k[layer][None], s.v[layer][None]
 
 
@@ -83,7 +83,7 @@ class ContiguousEngine(Engine):
         return [PlanEntry(s, s.num_uncomputed()) for s in self.running]
 
     def make_batch(self, plan, samplers):
-        return ContiguousBatch(plan, samplers, self.device)
+        return ContiguousBatch(plan, samplers, self.staging)
 
     def fork_kv(self, parent, child):  # torch.cat makes a new tensor on every append: sharing the old ones is safe
         child.k = list(parent.k)

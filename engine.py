@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import torch
 
+from batch import Staging
 from prepack import prepack
 from sampling import sample
 from sequence import RequestStatus, Sequence, SequenceStatus
@@ -83,6 +84,7 @@ class Engine:
         self.vocab_size = vocab_size or model.config.vocab_size
         self.num_ids = model.config.vocab_size  # a prompt's ids index the embedding's rows
         self.device = model.lm_head.weight.device
+        self.staging = Staging(self.device)
         self.clock = clock or WALL_CLOCK
         prepack(model)  # on a CPU, the linears multiply oneDNN's packed copies of their weights (prepack.py)
         keep_freed_memory()
@@ -146,7 +148,7 @@ class Engine:
         self.notify("planned", plan)
         samplers = self.assign_samplers(plan)
         batch = self.make_batch(plan, samplers)
-        logits, _ = self.model(batch.idx, batch=batch)  # (len(samplers), V)
+        logits = self.forward(batch)[: len(samplers)]  # (S, V)
         self.mark_computed(plan)
         self.give_forks_kv(plan, samplers)
         # at least float32, as vLLM's (float64 stays for greedy rows; draws and beam scores are float32);
@@ -163,6 +165,9 @@ class Engine:
         if beams:
             self.hold_logprobs(beams, logits, now)
         self.notify("stepped")
+
+    def forward(self, batch):
+        return self.model(batch.idx, batch=batch)[0]
 
     def assign_samplers(self, plan):
         """Fork each prompt of n samples whose last chunk is planned, so that its forks draw in this step too,

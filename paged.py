@@ -167,39 +167,59 @@ def compiled_gather_attend():
     return torch.compile(gather_attend)
 
 
+def pad_to(t, rows, width, value):
+    """t: (n,) or (n, w) -> (rows,) or (rows, width), the new places filled with value."""
+    pad = (0, rows - len(t)) if t.dim() == 1 else (0, width - t.shape[1], 0, rows - len(t))
+    return F.pad(t, pad, value=value)
+
+
 class PagedBatch(StepBatch):
     """The pool seen by one forward, through tables cut from the engine's block_tables (max_batch, W) by row.
     compiled: one-token entries attend through compiled_gather_attend; else blocks are gathered, then SDPA.
-    On the device, besides StepBatch's:
+    padded_shape (B, W): a decode-only step padded to B rows that read W blocks each, the shape of a captured
+    graph; padding rows read and write the padding block. On the device, besides StepBatch's:
         slots: (N,) where each new token's K/V go;
         table: (R, W) each entry's blocks;
-        one_token_table: (B, W') the one-token entries' blocks, and one_token_len: (B,) their keys, padded
-        to B >= S rows when compiled."""
+        one_token_table: (B, W) the one-token entries' blocks, and one_token_len: (B,) their keys.
+    NOTE: what a captured graph reads is staged first, so it sits at the same place in every step of its shape."""
 
-    def __init__(self, plan, samplers, k_pool, v_pool, block_tables, compiled):
+    def __init__(self, plan, samplers, staging, k_pool, v_pool, block_tables, compiled, padded_shape=None):
         self.k_pool = k_pool
         self.v_pool = v_pool
         self.block_tables = block_tables
         self.compiled = compiled
-        super().__init__(plan, samplers, k_pool.device)  # NOTE: after the fields: it calls host_tables
+        self.padded_shape = padded_shape
+        super().__init__(plan, samplers, staging)  # NOTE: after the fields: it calls host_tensors
+        if padded_shape:
+            self.num_one_token = padded_shape[0]
 
-    def host_tables(self, plan):
+    def host_tensors(self, plan):
+        host = super().host_tensors(plan)
         block_size = self.k_pool.shape[2]
-        S = self.num_one_token
-        self.blocks_read = blocks_for(self.kv_lens, block_size).tolist()  # (R,)
-        rows = torch.tensor([s.row for s, _ in plan])
-        table = self.block_tables[rows, : max(self.blocks_read)].long()  # (R, W)
-        block = table[self.entry, self.host_positions // block_size]  # (N,)
-        slots = block * block_size + self.host_positions % block_size
-        one_token_table = table[:S, : max(self.blocks_read[:S], default=0)]
-        one_token_len = self.kv_lens[:S]
-        if self.compiled and S:
-            B = max(S, MIN_COMPILED_SIZE)
-            W = max(one_token_table.shape[1], MIN_COMPILED_SIZE)
-            padding = (0, W - one_token_table.shape[1], 0, B - S)
-            one_token_table = F.pad(one_token_table, padding, value=self.k_pool.shape[1] - 1)  # the padding block
-            one_token_len = F.pad(one_token_len, (0, B - S), value=1)  # one key each: no row softmaxes all -inf
-        return dict(slots=slots, table=table, one_token_table=one_token_table, one_token_len=one_token_len)
+        padding = self.k_pool.shape[1] - 1  # the padding block
+        blocks_read = blocks_for(self.kv_lens, block_size).tolist()  # (R,)
+        rows = torch.tensor([s.row for s, _ in plan], dtype=torch.long)
+        table = self.block_tables[rows, : max(blocks_read, default=0)].long()  # (R, W)
+        block = table[self.token_entry, self.host_positions // block_size]  # (N,)
+        B = self.num_one_token
+        read = dict(  # what a captured graph reads, first
+            idx=host.pop("idx"),
+            positions=host.pop("positions"),
+            slots=block * block_size + self.host_positions % block_size,
+            logit_rows=host.pop("logit_rows"),
+            one_token_table=table[:B, : max(blocks_read[:B], default=0)],
+            one_token_len=self.kv_lens[:B],
+        )
+        if self.padded_shape:  # rows past B: token 0 at position 0, written to and read from the padding block
+            B, W = self.padded_shape
+            values = dict(slots=padding * block_size, one_token_table=padding, one_token_len=1)
+            read = {name: pad_to(t, B, W, values.get(name, 0)) for name, t in read.items()}
+        elif self.compiled and B:  # a size of 1 would specialize the compiled graph
+            B = max(B, MIN_COMPILED_SIZE)
+            W = max(read["one_token_table"].shape[1], MIN_COMPILED_SIZE)
+            read["one_token_table"] = pad_to(read["one_token_table"], B, W, padding)
+            read["one_token_len"] = pad_to(read["one_token_len"], B, W, 1)
+        return dict(read, table=table, **host)
 
     def store(self, layer, k, v):
         write_kv(self.k_pool[layer], self.v_pool[layer], self.slots, k, v)
@@ -210,7 +230,7 @@ class PagedBatch(StepBatch):
         table = self.one_token_table
         kv_len = self.one_token_len
         if not self.compiled:  # copy whole blocks out, then SDPA
-            k = gather_kv(k_pool, table)  # (S, L, H, D)
+            k = gather_kv(k_pool, table)  # (B, L, H, D)
             v = gather_kv(v_pool, table)
             return attend(q[:, None], k, v, kv_len[:, None] - 1)[:, 0]
         padded = F.pad(q, (0, 0, 0, 0, 0, table.shape[0] - q.shape[0]))  # (B, H, D)
@@ -219,6 +239,7 @@ class PagedBatch(StepBatch):
         torch._dynamo.maybe_mark_dynamic(table, 1)
         return compiled_gather_attend()(padded, k_pool, v_pool, table, kv_len)[: q.shape[0]]
 
-    def chunk_kv(self, layer, entry):
-        table = self.table[entry : entry + 1, : self.blocks_read[entry]]
+    def chunk_kv(self, layer, chunk):
+        num_blocks = blocks_for(chunk.num_cached + chunk.end - chunk.start, self.k_pool.shape[2])
+        table = self.table[chunk.entry : chunk.entry + 1, :num_blocks]
         return gather_kv(self.k_pool[layer], table), gather_kv(self.v_pool[layer], table)

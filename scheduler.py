@@ -3,8 +3,11 @@ decoding sequence's next token, then prefill chunks of admitted sequences, then 
 token_budget tokens in all. Admission waits until free blocks cover a sequence (backpressure); a full pool
 preempts the newest sequence, to be recomputed. K/V live in the block pool (paged.py)."""
 
+import itertools
+
 import torch
 
+from batch import Staging
 from engine import Engine, PlanEntry
 from paged import BlockAllocator, PagedBatch, allocate_pool, blocks_for, copy_block
 from sequence import SequenceStatus
@@ -14,6 +17,8 @@ COMPILE_FROM_ROWS = 16
 # one block in every WATERMARK_EVERY is kept free at admission, for running sequences to grow: 1%, as vLLM V0's
 # BlockSpaceManager(watermark=0.01)
 WATERMARK_EVERY = 100
+# compile "graph": decode steps are captured at this many widths (blocks read per row), halving from the longest
+GRAPH_WIDTHS = 4
 
 
 class PagedEngine(Engine):
@@ -33,13 +38,13 @@ class PagedEngine(Engine):
         **kw,
     ):
         super().__init__(model, max_batch=max_batch, **kw)  # and vocab_size, clock
-        if min(block_size, token_budget, num_blocks) < 1 or compile not in ("auto", "on", "off"):
+        if min(block_size, token_budget, num_blocks) < 1 or compile not in ("auto", "on", "off", "graph"):
             why = f"block_size {block_size}, token_budget {token_budget}, num_blocks {num_blocks} must be >= 1"
-            raise ValueError(f"{why}, compile {compile!r} auto, on or off")
+            raise ValueError(f"{why}, compile {compile!r} auto, on, off or graph")
         self.block_size = block_size
         self.token_budget = token_budget
         self.prefix_cache = prefix_cache
-        self.compile = compile
+        self.compile = "graph" if compile == "auto" and self.device.type == "cuda" else compile
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.k_pool, self.v_pool = allocate_pool(
             model.config, num_blocks, block_size, self.device, model.lm_head.weight.dtype
@@ -49,8 +54,16 @@ class PagedEngine(Engine):
         self.max_running = min(max_batch, token_budget)  # so every decoding sequence fits in a step
         self.watermark = max(1, num_blocks // WATERMARK_EVERY)
         # each running sequence's block table in its row, updated as it grows: no step rebuilds one from a list
-        shape = (max_batch, blocks_for(self.window, block_size))
-        self.block_tables = torch.full(shape, num_blocks, dtype=torch.int32)  # num_blocks: padding
+        width = blocks_for(self.window, block_size)
+        self.block_tables = torch.full((max_batch, width), num_blocks, dtype=torch.int32)  # num_blocks: padding
+        # the shapes of padded decode steps: batch buckets 1, 2, 4, 8, then steps of 16, and halving widths
+        batches = [b for b in [1, 2, 4, 8, *range(16, self.max_running, 16)] if b < self.max_running]
+        self.graph_batches = batches + [self.max_running]
+        self.graph_widths = sorted({blocks_for(width, 2**i) for i in range(GRAPH_WIDTHS)})
+        self.staging = Staging(self.device, 4 * token_budget + 2 * max_batch * (width + 2))  # never grows
+        self.graphs = {}  # (batch, width) -> (its CUDA graph, the logits it writes)
+        if self.compile == "graph" and self.device.type == "cuda":
+            self.capture_graphs()
 
     def check(self, r):
         super().check(r)
@@ -195,7 +208,41 @@ class PagedEngine(Engine):
     def make_batch(self, plan, samplers):
         num_one_token = sum(n == 1 for _, n in plan)
         compiled = self.compile != "off" and num_one_token >= self.compile_from
-        return PagedBatch(plan, samplers, self.k_pool, self.v_pool, self.block_tables, compiled)
+        shape = None
+        if self.compile == "graph" and len(samplers) <= len(plan) == num_one_token:  # decode only: pad to a graph's
+            width = blocks_for(max(s.num_computed for s, _ in plan) + 1, self.block_size)
+            shape = self.graph_shape(len(plan), width)
+        return PagedBatch(plan, samplers, self.staging, self.k_pool, self.v_pool, self.block_tables, compiled, shape)
+
+    def graph_shape(self, num_rows, width):
+        """The smallest captured (batch, width) that holds num_rows rows reading width blocks each."""
+        batch = next(b for b in self.graph_batches if b >= num_rows)
+        return batch, next(w for w in self.graph_widths if w >= width)
+
+    @torch.no_grad()
+    def capture_graphs(self):
+        """One CUDA graph per decode shape, largest first, all in one memory pool, as nano-vllm's capture_cudagraph:
+        a decode-only step then replays its shape's graph instead of launching every kernel from Python."""
+        pool = None
+        for shape in sorted(itertools.product(self.graph_batches, self.graph_widths), reverse=True):
+            batch = PagedBatch([], [], self.staging, self.k_pool, self.v_pool, self.block_tables, True, shape)
+            side = torch.cuda.Stream()  # warmed up apart, as torch.cuda.graphs asks: compiles and allocates there
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self.forward(batch)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self.forward(batch)
+            pool = graph.pool()
+            self.graphs[shape] = (graph, logits)
+
+    def forward(self, batch):
+        graph, logits = self.graphs.get(batch.padded_shape, (None, None))
+        if graph is None:  # no graph of this shape: launch the forward's kernels one by one
+            return super().forward(batch)
+        graph.replay()
+        return logits
 
     def mark_computed(self, plan):
         super().mark_computed(plan)

@@ -7,6 +7,7 @@ import torch
 from conftest import baseline, make_requests, run_engine, tiny_gpt
 
 import generate
+from batch import Staging
 from checkpoints import get_tokenizer, load_checkpoint, shakespeare
 from contiguous import ContiguousBatch, ContiguousEngine
 from engine import PlanEntry, Sampler
@@ -54,13 +55,13 @@ def test_cached_decode_equals_full_recompute(model, cache):
     # scattered blocks: request i owns blocks i, i + 8, i + 16, ...; block 64 is padding's
     block_tables = torch.tensor([[i + 8 * j for j in range(8)] for i in range(len(prompts))], dtype=torch.int32)
 
+    staging = Staging(torch.device("cpu"))
+
     def paged_batch(plan, samplers):
-        return PagedBatch(plan, samplers, k_pool, v_pool, block_tables, compiled="compiled" in cache)
+        return PagedBatch(plan, samplers, staging, k_pool, v_pool, block_tables, compiled="compiled" in cache)
 
     make_batch = (
-        paged_batch
-        if cache.startswith("paged")
-        else (lambda plan, samplers: ContiguousBatch(plan, samplers, torch.device("cpu")))
+        paged_batch if cache.startswith("paged") else (lambda plan, samplers: ContiguousBatch(plan, samplers, staging))
     )
     reqs, steps = incremental_logits(model, prompts, 6, make_batch)
     with torch.no_grad():

@@ -1,0 +1,87 @@
+"""Decode steps in fixed shapes, as CUDA graphs replay them: padded to a batch bucket and a block-table width,
+reading fixed staging buffers. The padding is the same on every device, so these run on the CPU
+(compile="graph" pads without capturing); tests/test_paged.py runs the captured graphs on CUDA."""
+
+import random
+
+import pytest
+import torch
+from conftest import run_engine
+
+from paged import blocks_for
+from scheduler import PagedEngine
+from sequence import Request, SamplingParams
+
+
+def mixed_requests(prompts):
+    """Plain greedy requests, n = 3 samples with top-k, and beam groups of 3."""
+    plain = [Request(p, 10) for p in prompts[:3]]
+    params = [SamplingParams(temperature=1.0, top_k=30, seed=i, n=3) for i in range(3)]
+    samples = [Request(p, 12, sp) for p, sp in zip(prompts[3:6], params)]
+    return plain + samples + [Request(p, 8, SamplingParams(num_beams=3)) for p in prompts[6:9]]
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 16])
+def test_padded_decode_steps_give_the_unpadded_tokens_under_preemption_forks_and_beams(model, block_size):
+    rng = random.Random(block_size)
+    prompts = [[rng.randrange(300) for _ in range(rng.randint(1, 20))] for _ in range(9)]
+    worst = 3 * blocks_for(20 + 12, block_size)  # a beam group of the longest prompt
+    outputs, shapes = {}, []
+    for compile in ["off", "graph"]:
+        engine = PagedEngine(
+            model, num_blocks=worst + 4, block_size=block_size, token_budget=16, max_batch=12, compile=compile
+        )
+
+        def recorded(plan, samplers, make_batch=engine.make_batch, compile=compile):
+            batch = make_batch(plan, samplers)
+            shapes.append((compile, len(plan), batch.padded_shape))
+            return batch
+
+        engine.make_batch = recorded
+        requests = mixed_requests(prompts)
+        run_engine(engine, requests, check=True)
+        outputs[compile] = [[s.generated for s in r.sequences] for r in requests]
+        assert engine.meter.num_preemptions > 0  # the pool is small enough to preempt
+    assert outputs["graph"] == outputs["off"]
+    padded = [(rows, shape) for compile, rows, shape in shapes if shape is not None]
+    assert all(compile == "graph" for compile, _, shape in shapes if shape is not None)
+    assert any(shape[0] > rows for rows, shape in padded), "no step was padded to a larger batch"
+    assert len({shape for _, shape in padded}) > 2, "the steps used a single shape"
+
+
+def test_graph_shapes_are_the_buckets_and_a_step_takes_the_smallest_that_holds_it(model):
+    engine = PagedEngine(model, num_blocks=64, block_size=4, max_batch=40, compile="graph")
+    assert engine.graph_batches == [1, 2, 4, 8, 16, 32, 40]
+    assert engine.graph_widths == [2, 4, 8, 16]  # a 64-token context in blocks of 4: 16 blocks, halved 3 times
+    assert engine.graph_shape(3, 5) == (4, 8)
+    assert engine.graph_shape(33, 16) == (40, 16)
+    assert engine.graph_shape(1, 1) == (1, 2)
+
+
+def test_staging_buffer_never_moves_while_steps_of_every_size_run(model):
+    """A captured graph reads its inputs at fixed addresses: the engine's staging buffer, sized at start,
+    must not be reallocated by a large prefill step."""
+    engine = PagedEngine(model, num_blocks=200, block_size=4, token_budget=64, max_batch=16, compile="graph")
+    address = engine.staging.device_buffer.data_ptr()
+    rng = random.Random(0)
+    requests = [Request([rng.randrange(300) for _ in range(rng.randint(1, 60))], 4) for _ in range(16)]
+    run_engine(engine, requests, check=True)
+    assert engine.staging.device_buffer.data_ptr() == address
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_replays_give_the_eager_engines_tokens(model):
+    """On CUDA, compile auto captures one graph per decode shape; replays give eager's tokens, float64."""
+    import copy
+
+    cuda_model = copy.deepcopy(model).cuda()
+    rng = random.Random(5)
+    prompts = [[rng.randrange(300) for _ in range(rng.randint(1, 20))] for _ in range(9)]
+    outputs = {}
+    for compile in ["on", "auto"]:
+        engine = PagedEngine(cuda_model, num_blocks=100, block_size=4, token_budget=16, max_batch=12, compile=compile)
+        assert bool(engine.graphs) == (compile == "auto")
+        requests = mixed_requests(prompts)
+        run_engine(engine, requests, check=True)
+        outputs[compile] = [[s.generated for s in r.sequences] for r in requests]
+    assert outputs["auto"] == outputs["on"]
