@@ -123,26 +123,32 @@ def parser():
         choices=["float32", "bfloat16", "float64"],
         help="model and KV dtype; float64 for exact equivalence checks",
     )
-    p.add_argument("--max-batch", type=number_type(1), default=64, help="requests running at once")
+    p.add_argument("--max-batch", type=number_type(1), help="sequences running at once (default: 64; on CUDA 256)")
     p.add_argument("--json", help="write requests and metrics to this file")
     p.add_argument("--metrics", action="store_true", help="print the metrics table after plain generation")
     p.add_argument("--paged", action="store_true", help="serve with the paged engine (default: contiguous)")
     p.add_argument("--block-size", type=number_type(1), default=16, help="token slots per KV block")
-    p.add_argument("--num-blocks", type=number_type(1), help="KV blocks in the pool (default: every request at once)")
+    p.add_argument(
+        "--num-blocks",
+        type=number_type(1),
+        help="KV blocks in the pool (default: every request at once; on CUDA at most 90%% of free memory)",
+    )
     p.add_argument(
         "--token-budget",
         type=number_type(1),
-        default=512,
-        help="tokens per paged step, decode + prefill chunks: larger cuts time to first token, and stalls decodes longer behind a chunk",
+        help="tokens per paged step, decode + prefill chunks: larger cuts time to first token, and stalls decodes "
+        "longer behind a chunk (default: 512; on CUDA 4096)",
     )
     p.add_argument("--no-prefix-cache", action="store_true", help="paged without sharing prompt blocks")
     p.add_argument(
         "--compile",
-        choices=["auto", "on", "off"],
+        choices=["auto", "on", "off", "graph"],
         default="auto",
-        help="paged decode attention through torch.compile (inductor). auto: always on a GPU; on a CPU for "
-        "steps of 16 or more decode rows (measured as fast or faster), after a one-time compile (~20 s, "
-        "a few seconds once cached) shown before the run; off: gather blocks + SDPA",
+        help="paged decode attention through torch.compile (inductor). on: always; off: gather blocks + SDPA; "
+        "graph: decode steps padded to fixed shapes, each captured once as a CUDA graph and replayed (on a CPU, "
+        "padded without capture). auto: graph on CUDA; on a CPU, compiled for steps of 16 or more decode rows "
+        "(measured as fast or faster). The one-time compile (~20 s, a few once cached) and capture are shown "
+        "before the run",
     )
     p.add_argument("--kv-budget", type=number_type(1), help="KV token slots every design must live within")
     p.add_argument(

@@ -7,6 +7,8 @@ import sys
 import threading
 import time
 
+import torch
+
 from checkpoints import shakespeare
 from contiguous import ContiguousEngine
 from metrics import Meter, metrics
@@ -46,29 +48,52 @@ def arrivals(n, rate, seed):
     return times
 
 
+def cuda_defaults(model, block_size, blocks_needed):
+    """On CUDA, as vLLM sizes itself: 256 sequences at once (its max_num_seqs), 4,096 tokens a step, and a pool
+    in 90% of the GPU's free memory (its gpu_memory_utilization), no larger than the workload needs at once."""
+    c = model.config
+    block_bytes = 2 * c.n_layer * block_size * c.n_embd * model.lm_head.weight.element_size()
+    free, _ = torch.cuda.mem_get_info(model.lm_head.weight.device)
+    return dict(max_batch=256, token_budget=4096, num_blocks=min(int(0.9 * free) // block_bytes, blocks_needed))
+
+
 def make_engine(model, kind, args, prompts, news, vocab_size):
+    """The engine a design names, from the flags; on CUDA, what no flag sets comes from cuda_defaults."""
+    max_batch = args.max_batch or 64
     if kind.startswith("contiguous"):
         return ContiguousEngine(
             model,
-            max_batch=args.max_batch,
+            max_batch=max_batch,
             vocab_size=vocab_size,
             kv_budget=args.kv_budget,
             reserve=kind.partition("_")[2] or "max",
         )
-    num_blocks = args.kv_budget // args.block_size if args.kv_budget else args.num_blocks
-    if not num_blocks:  # default: a pool that holds every sequence at once
-        width = max(args.num_samples, args.num_beams)
-        num_blocks = sum(blocks_for(len(p) + n - 1, args.block_size) for p, n in zip(prompts, news)) * width
-    return PagedEngine(
+    width = max(args.num_samples, args.num_beams)
+    # default: a pool that holds every sequence at once
+    needed = sum(blocks_for(len(p) + n - 1, args.block_size) for p, n in zip(prompts, news)) * width
+    sizes = dict(max_batch=max_batch, token_budget=args.token_budget or 512, num_blocks=needed)
+    if model.lm_head.weight.is_cuda:
+        defaults = cuda_defaults(model, args.block_size, needed)
+        sizes = {name: getattr(args, name) or value for name, value in defaults.items()}
+        print(f"on CUDA: max_batch {sizes['max_batch']}, token budget {sizes['token_budget']}, a pool of "
+              f"{sizes['num_blocks']:,} blocks (at most 90% of free memory); flags override each", flush=True)  # fmt: skip
+    if args.kv_budget:
+        sizes["num_blocks"] = args.kv_budget // args.block_size
+    elif args.num_blocks:
+        sizes["num_blocks"] = args.num_blocks
+    start = time.time()
+    engine = PagedEngine(
         model,
-        num_blocks=num_blocks,
         block_size=args.block_size,
-        token_budget=args.token_budget,
-        max_batch=args.max_batch,
+        **sizes,
         prefix_cache=kind == "paged_prefix",
         compile=args.compile,
         vocab_size=vocab_size,
     )
+    if engine.graphs:
+        shapes = f"batches {engine.graph_batches[0]}-{engine.graph_batches[-1]} x widths {engine.graph_widths}"
+        print(f"captured {len(engine.graphs)} CUDA graphs of decode steps ({shapes}) in {time.time() - start:.1f} s")
+    return engine
 
 
 def warm_up(engine, num_sequences):

@@ -239,7 +239,9 @@ def test_plain_run_prints_completions_and_one_summary_line_and_help_shows_defaul
     with pytest.raises(SystemExit):
         generate.main(["--help"])
     help_text = capsys.readouterr().out
-    assert "(default: 0.8)" in help_text and "(default: 512)" in help_text and "(default: inf)" in help_text
+    assert (
+        "(default: 0.8)" in help_text and "(default: 512; on CUDA 4096)" in help_text and "(default: inf)" in help_text
+    )
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

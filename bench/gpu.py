@@ -1,0 +1,297 @@
+"""The engine on a CUDA GPU in one command: decode attention against SDPA on a contiguous cache, one decode step
+eager against its captured CUDA graph, the host side of a step, and end to end against Hugging Face's
+generate with a static cache (compiled, CUDA graphs) and a dynamic one. GPT-2 small's shape (12 x 768,
+vocabulary 50,257), random weights, bf16, greedy.
+
+    python bench/gpu.py [--out docs/gpu.md] [--sections attention,step,host,e2e,hf_equal]
+
+Writes its tables to --out as it goes (a run cut short keeps what it measured). Needs transformers for e2e and
+hf_equal. The CUDA tests are apart: python -m pytest -q tests -k cuda
+"""
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from engine import PlanEntry, Sampler
+from model import GPT, GPTConfig, attend
+from paged import blocks_for, compiled_gather_attend, gather_kv
+from scheduler import PagedEngine
+from sequence import Request
+from serving import cuda_defaults
+
+CONFIG = dict(block_size=1024, vocab_size=50257, n_layer=12, n_head=12, n_embd=768, gelu="tanh")
+OUT = []
+
+
+def say(line="", out=None):
+    print(line, flush=True)
+    OUT.append(line)
+    if out:
+        with open(out, "w") as f:
+            f.write("\n".join(OUT) + "\n")
+
+
+def gpt2_small(dtype):
+    torch.manual_seed(0)
+    return GPT(GPTConfig(**CONFIG)).to("cuda", dtype).eval()
+
+
+def time_ms(fn, iters=20):
+    """Mean milliseconds of fn() over iters calls, after 3 untimed, between CUDA events."""
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def copy_bandwidth():
+    """TB/s of a device-to-device copy of 2 GB, bytes read and written: the ceiling a memory-bound step meets."""
+    a = torch.empty(2**30, dtype=torch.bfloat16, device="cuda")
+    b = torch.empty_like(a)
+    return 2 * a.numel() * 2 / time_ms(lambda: b.copy_(a)) / 1e9
+
+
+def attention_row(B, L, H=12, D=64, block_size=16):
+    """One layer's decode attention at batch B and context L, three ways -> [(ms, TB/s)]."""
+    W = L // block_size
+    k_pool = torch.randn(B * W + 1, block_size, H, D, device="cuda", dtype=torch.bfloat16)
+    v_pool = torch.randn_like(k_pool)
+    table = torch.randperm(B * W, device="cuda").view(B, W)
+    kv_len = torch.full((B,), L, device="cuda")
+    q = torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16)
+    for t in (q, table, kv_len, k_pool, v_pool):  # as the engine marks them
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+    torch._dynamo.maybe_mark_dynamic(table, 1)
+    k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    ways = (
+        lambda: compiled_gather_attend()(q, k_pool, v_pool, table, kv_len),
+        lambda: attend(q[:, None], gather_kv(k_pool, table), gather_kv(v_pool, table), kv_len[:, None] - 1),
+        lambda: F.scaled_dot_product_attention(q[:, :, None], k, v),
+    )
+    return [(ms, 2 * B * L * H * D * 2 / ms / 1e9) for ms in map(time_ms, ways)]
+
+
+def attention_table(out):
+    """Decode attention, one layer (12 heads x 64, bf16, blocks of 16 in random order): the engine's compiled
+    gather_attend and its eager gather + SDPA, against SDPA over a contiguous cache; K+V bytes / time."""
+    say(
+        "| B | L | gather_attend (compiled) ms, TB/s | gather + SDPA (eager) ms, TB/s | SDPA contiguous ms, TB/s |", out
+    )
+    say("|---|---|---|---|---|", out)
+    for B in (1, 16, 64, 256):
+        for L in (1024, 4096):
+            cells = [f"{ms:.3f}, {tb_s:.2f}" for ms, tb_s in attention_row(B, L)]
+            say(f"| {B} | {L} | {' | '.join(cells)} |", out)
+            torch.cuda.empty_cache()
+
+
+def decode_batch(engine, B, L, rng):
+    """B sequences at context L on shuffled blocks of the engine's pool -> a decode-only step's batch."""
+    W = blocks_for(L + 1, engine.block_size)
+    blocks = rng.sample(range(engine.allocator.num_blocks), B * W)
+    plan, samplers = [], []
+    for i in range(B):
+        s = Request([rng.randrange(50257) for _ in range(L + 1)], 2).sequences[0]
+        s.row, s.num_computed, s.block_table = i, L, blocks[i * W : (i + 1) * W]
+        engine.block_tables[i, :W] = torch.tensor(s.block_table)
+        plan.append(PlanEntry(s, 1))
+        samplers.append(Sampler(s, i))
+    return engine.make_batch(plan, samplers)
+
+
+@torch.no_grad()
+def step_row(engine, batch, B, L, weights, bandwidth):
+    def eager():
+        return engine.model(batch.idx, batch=batch)[0][:B].argmax(-1)
+
+    def graph():
+        return engine.forward(batch)[:B].argmax(-1)
+
+    same = torch.equal(eager(), graph())
+    eager_ms, graph_ms = time_ms(eager), time_ms(graph)
+    moved = weights + 2 * CONFIG["n_layer"] * B * (L + 1) * CONFIG["n_embd"] * 2
+    bound_ms = moved / bandwidth / 1e9
+    return (
+        f"| {B} | {L} | {batch.padded_shape} | {eager_ms:.2f} | {graph_ms:.2f} | {eager_ms / graph_ms:.1f}x | "
+        f"{moved / 1e9:.2f} | {moved / graph_ms / 1e9:.2f} | {graph_ms / bound_ms:.1f}x | {same} |"
+    )
+
+
+def step_table(out, bandwidth):
+    """One decode step (forward + argmax) at GPT-2 small's shape, eager against its captured graph."""
+    model = gpt2_small(torch.bfloat16)
+    start = time.perf_counter()
+    engine = PagedEngine(model, num_blocks=256 * 63 + 8, max_batch=256, token_budget=4096, compile="graph")
+    say(
+        f"captured {len(engine.graphs)} graphs (batches {engine.graph_batches}, widths {engine.graph_widths}) "
+        f"in {time.perf_counter() - start:.1f} s",
+        out,
+    )
+    weights = sum(p.numel() for p in model.parameters()) * 2
+    say(
+        "| B | L | shape | eager ms | graph ms | speedup | GB moved | graph TB/s | graph / memory bound | same tokens |",
+        out,
+    )
+    say("|---|---|---|---|---|---|---|---|---|---|", out)
+    rng = random.Random(0)
+    for B, L in ((1, 256), (16, 256), (64, 256), (256, 256), (64, 1000), (256, 1000)):
+        say(step_row(engine, decode_batch(engine, B, L, rng), B, L, weights, bandwidth), out)
+    del engine
+    torch.cuda.empty_cache()
+
+
+def workload(seed, n=256):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(50257) for _ in range(rng.randint(16, 512))] for _ in range(n)]
+    return prompts, [rng.randint(16, 256) for _ in range(n)]
+
+
+def hf_model(model, dtype):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    c = CONFIG
+    config = GPT2Config(vocab_size=c["vocab_size"], n_positions=c["block_size"], n_embd=c["n_embd"],
+                        n_layer=c["n_layer"], n_head=c["n_head"], activation_function="gelu_new",
+                        resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)  # fmt: skip
+    hf = GPT2LMHeadModel(config)
+    state = {k: v.t() if k.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")) else v
+             for k, v in model.state_dict().items()}  # fmt: skip
+    hf.load_state_dict(state, strict=False)
+    hf.generation_config.eos_token_id = None  # like ours, generate exactly the asked-for count
+    return hf.to("cuda", dtype).eval()
+
+
+@torch.no_grad()
+def run_hf(hf, prompts, news, **kw):
+    """One left-padded batch run to the longest request -> (seconds, each output cut to its own count)."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device="cuda")
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device="cuda")
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = hf.generate(ids, attention_mask=mask, max_new_tokens=max(news), min_new_tokens=max(news), pad_token_id=0,
+                      do_sample=False, **kw)  # fmt: skip
+    torch.cuda.synchronize()
+    return time.perf_counter() - start, [out[i, width : width + m].tolist() for i, m in enumerate(news)]
+
+
+def run_ours(engine, prompts, news):
+    requests = [Request(p, m) for p, m in zip(prompts, news)]
+    start = time.perf_counter()
+    engine.run(requests)
+    return time.perf_counter() - start, [r.generated for r in requests]
+
+
+def e2e_table(out, repeats=3):
+    """256 requests of 16-512 random prompt tokens and 16-256 new (seed 1), bf16, greedy, warm; useful tokens/s."""
+    model = gpt2_small(torch.bfloat16)
+    prompts, news = workload(1)
+    warm_prompts, warm_news = workload(2)
+    defaults = cuda_defaults(model, 16, sum(blocks_for(len(p) + n, 16) for p, n in zip(prompts, news)))
+    start = time.perf_counter()
+    engine = PagedEngine(model, block_size=16, compile="auto", **defaults)
+    say(f"ours: {defaults}, {len(engine.graphs)} graphs captured in {time.perf_counter() - start:.1f} s", out)
+    run_ours(engine, warm_prompts, warm_news)  # other prompts: the prefix cache must not hit in the timed runs
+    hf = hf_model(model, torch.bfloat16)
+    start = time.perf_counter()
+    run_hf(hf, prompts, news, cache_implementation="static")  # the timed shapes: nothing compiles while timed
+    say(f"HF static cache: warm-up (compiles) {time.perf_counter() - start:.1f} s", out)
+    run_hf(hf, prompts, news)
+    rows = {"ours": [], "HF static": [], "HF dynamic": []}
+    for _ in range(repeats):
+        rows["ours"].append(run_ours(engine, prompts, news)[0])
+        rows["HF static"].append(run_hf(hf, prompts, news, cache_implementation="static")[0])
+        rows["HF dynamic"].append(run_hf(hf, prompts, news)[0])
+    useful = sum(news)
+    say(f"| system | tok/s (median of {repeats}, min-max) | ours / this |", out)
+    say("|---|---|---|", out)
+    for name, seconds in rows.items():
+        tok_s = sorted(useful / s for s in seconds)
+        ratios = sorted(b / a for a, b in zip(rows["ours"], seconds))
+        say(
+            f"| {name} | {statistics.median(tok_s):,.0f} ({tok_s[0]:,.0f}-{tok_s[-1]:,.0f}) | "
+            f"{statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f}) |",
+            out,
+        )
+
+
+def hf_equal(out):
+    """float32 greedy: ours (graphs) and HF (dynamic cache) give the same tokens on 16 prompts."""
+    model = gpt2_small(torch.float32)
+    prompts, news = workload(3, 16)
+    news = [min(n, 64) for n in news]
+    engine = PagedEngine(model, num_blocks=1024, max_batch=16, token_budget=1024, compile="auto")
+    ours = run_ours(engine, prompts, news)[1]
+    theirs = run_hf(hf_model(model, torch.float32), prompts, news)[1]
+    say(
+        f"float32 greedy, 16 prompts of 16-512 tokens, up to 64 new: {sum(a == b for a, b in zip(ours, theirs))}/16 "
+        "outputs equal to HF's",
+        out,
+    )
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="out/gpu.md")
+    p.add_argument("--sections", default="step,e2e,attention,hf_equal,host")
+    args = p.parse_args()
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    sections = args.sections.split(",")
+    torch.backends.cuda.enable_cudnn_sdp(False)  # as the engine does
+    bandwidth = copy_bandwidth()
+    say(f"$ python bench/gpu.py --sections {args.sections}", args.out)
+    say(
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; "
+        f"device-to-device copy {bandwidth:.2f} TB/s (read + write)",
+        args.out,
+    )
+    for name in sections:
+        say(f"\n## {TITLES[name]}\n", args.out)
+        try:
+            SECTIONS[name](args.out, bandwidth)
+        except Exception:  # noqa: BLE001 -- one section's failure keeps the others' figures
+            say("```\n" + traceback.format_exc() + "```", args.out)
+
+
+def host_table(out, bandwidth):
+    from bench.host_step import host_step_ms
+
+    for device in ("cpu", "cuda"):
+        host_step_ms(device, 32)
+        runs = [host_step_ms(device)[1:] for _ in range(3)]
+        say(f"{device}: " + "; ".join(f"{a:.2f} ms a step, forward {b:.2f}, host {c:.2f}" for a, b, c in runs), out)
+
+
+TITLES = dict(
+    attention="Decode attention, one layer",
+    step="One decode step, eager against its CUDA graph",
+    e2e="End to end: 256 requests, prompts 16-512, 16-256 new, bf16, greedy",
+    hf_equal="Tokens against HF, float32",
+    host="The host side of a step, 256 sequences (bench/host_step.py)",
+)
+SECTIONS = dict(
+    attention=lambda out, bandwidth: attention_table(out),
+    step=step_table,
+    e2e=lambda out, bandwidth: e2e_table(out),
+    hf_equal=lambda out, bandwidth: hf_equal(out),
+    host=host_table,
+)
+
+
+if __name__ == "__main__":
+    main()
