@@ -152,7 +152,7 @@ def test_paged_equals_contiguous_token_for_token(model, block_size, token_budget
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("compile", ["off", "on"])
+@pytest.mark.parametrize("compile", ["off", "on", "graph"])
 def test_paged_on_cuda_equals_the_cpu_engines_token_for_token(model, compile):
     """The engine on a GPU (the float64 model, its pool, tables and sampling on the device) against the
     contiguous baseline on the CPU, greedy and sampled, in a roomy pool and in one that preempts; then n
