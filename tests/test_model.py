@@ -12,7 +12,9 @@ from contiguous import ContiguousBatch, ContiguousEngine
 from engine import PlanEntry, Sampler
 from model import GPT, GPTConfig
 from paged import PagedBatch
+from prepack import Linear
 from sampling import sample, uniform
+from scheduler import PagedEngine
 from sequence import Request
 
 
@@ -307,3 +309,35 @@ def test_train_tiny_writes_a_nanogpt_checkpoint_that_generate_loads(tmp_path):
     loaded = load_checkpoint(tmp_path / "ckpt.pt")
     idx = torch.randint(0, 300, (1, 32))
     assert torch.equal(loaded(idx)[0], trained.eval()(idx)[0])
+
+
+def test_engines_prepack_the_callers_model_and_never_serve_a_stale_packed_weight():
+    """A float32 model handed to either engine comes out with every Linear packed (as generate.py's load_model
+    packs it), gives an unpacked copy's greedy tokens, and a weight changed after the engine was built is
+    multiplied as it is now: its packed copy, made from the old version, is skipped."""
+    prompts, news = [[5, 6, 7, 8, 9], list(range(1, 20)), [42], [3, 1, 4, 1, 5, 9]], [12, 8, 16, 10]
+
+    def unpacked_tokens(model):  # a fresh model with model's weights, whose Linears all take F.linear
+        fresh = tiny_gpt(dtype=torch.float32)
+        fresh.load_state_dict(model.state_dict())
+        engine = ContiguousEngine(fresh)
+        for m in fresh.modules():
+            if isinstance(m, Linear):
+                m.packed_version = None  # Linear.forward multiplies the packed copy only if its version matches
+        return run_engine(engine, make_requests(prompts, news))
+
+    for make in (lambda model: PagedEngine(model, num_blocks=40, block_size=4), ContiguousEngine):
+        model = tiny_gpt(seed=5, dtype=torch.float32)
+        linears = [m for m in model.modules() if isinstance(m, Linear)]
+        assert linears and all(m.packed_version is None for m in linears)
+        before, after = make(model), make(model)  # after runs once the weight changed: its prefix cache is empty
+        assert all(m.packed_version == m.weight._version for m in linears), "the engine did not prepack its model"
+        want = unpacked_tokens(model)
+        assert run_engine(before, make_requests(prompts, news)) == want
+        c_fc = model.transformer.h[0].mlp.c_fc
+        with torch.no_grad():
+            c_fc.weight.mul_(-3.0)  # a change after the engines were built
+        assert c_fc.packed_version != c_fc.weight._version
+        changed = unpacked_tokens(model)
+        assert changed != want, "the change does not show in the tokens"
+        assert run_engine(after, make_requests(prompts, news)) == changed
