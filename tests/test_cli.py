@@ -151,6 +151,7 @@ def test_bad_workload_output_and_budget_flags_are_one_line_errors(ckpt, argv, me
         (["--num-beams", "2", "--temperature", "0.8"], "--num-beams 2 is greedy beam search"),
         (["--num-beams", "2", "--top-k", "5"], "--num-beams 2 is greedy beam search"),
         (["--num-beams", "2", "--num-samples", "3"], "--num-beams 2 is greedy beam search"),
+        (["--num-beams", "2", "--stop-at-eos"], "it takes no --num-samples, --temperature, --top-k or --stop-at-eos"),
         (["--num-beams", "0"], "argument --num-beams: 0 is below 1"),
         (["--num-samples", "0"], "argument --num-samples: 0 is below 1"),
         (["--length-penalty", "0.5"], "--length-penalty needs --num-beams"),
