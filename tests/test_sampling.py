@@ -2,12 +2,16 @@
 position), the same alone and in a batch; and each request's own settings, checked against the model's
 logits recomputed in full."""
 
+import random
+
 import pytest
 import torch
 from conftest import baseline, make_requests, run_engine
 
 from contiguous import ContiguousEngine
 from sampling import sample, uniform
+from scheduler import PagedEngine
+from sequence import Request, SamplingParams
 
 
 @pytest.mark.parametrize("temperature, top_k", [(1.0, None), (0.8, 20)])
@@ -47,3 +51,60 @@ def test_sampler_draws_each_token_with_its_softmax_probability_and_top_k_cuts_th
     )  # 1,000 seeds x 100 positions
     assert 0 <= u.min() and u.max() < 1 and abs(u.mean() - 0.5) < 0.005 and abs(u.var() - 1 / 12) < 0.002
     assert len(u.unique()) > 99_000  # seeds and positions both change the draw
+
+
+def recomputed_samples(model, prompt, max_new_tokens, temperature, top_k, seed, vocab_size):
+    """The oracle for one sequence: each next token drawn by sample() alone, from logits recomputed over the whole
+    sequence (no cache, no batch), ids from vocab_size on masked, at the drawn token's position with the
+    sequence's own temperature, top_k (None, or one of vocab_size or more: every id) and seed."""
+    tokens = list(prompt)
+    k = top_k if top_k is not None and top_k < vocab_size else 0
+    sampled = temperature > 0
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            logits = model(torch.tensor(tokens)[None])[0][:, -1]  # (1, V)
+            logits[:, vocab_size:] = float("-inf")
+            token = sample(
+                logits,
+                temperature=torch.tensor([temperature]),
+                top_k=torch.tensor([k]),
+                seed=torch.tensor([seed]),
+                position=torch.tensor([len(tokens)]),  # the drawn token's own position
+                max_top_k=k if sampled else 0,
+                uncut=sampled and not k,
+            )
+            tokens.append(int(token))
+    return tokens[len(prompt) :]
+
+
+def test_each_requests_own_temperature_top_k_and_seed_draw_what_the_recomputing_oracle_draws(model):
+    """Requests of different temperatures, top_ks (small, large, none, past the vocabulary) and seeds in the
+    same steps, and n samples seeded seed + i: on both engines (the paged one chunking prompts beside decodes,
+    and preempting), every sequence's tokens are the oracle's, which shares nothing with the engines but
+    sample(). In float64, where cached and recomputed logits agree to rounding. Engines compared with each other
+    would all agree on a setting written wrong in their shared code (a top_k doubled, a seed off by one)."""
+    rng = random.Random(21)
+    settings = [(0.7, None), (1.0, 3), (1.3, 10), (1.0, 40), (0.0, None), (0.9, 400), (2.0, 1), (0.8, 20)]
+    prompts = [[rng.randrange(300) for _ in range(rng.randint(1, 20))] for _ in settings]
+    news = [rng.randint(6, 14) for _ in settings]
+    vocab_size = 290  # ids 290..299 are never drawn
+
+    def make():
+        return [
+            Request(p, m, SamplingParams(temperature=t, top_k=k, seed=100 + 7 * i, n=2 if i == 7 else 1))
+            for i, (p, m, (t, k)) in enumerate(zip(prompts, news, settings))
+        ]
+
+    want = [
+        [recomputed_samples(model, p, m, t, k, 100 + 7 * i + j, vocab_size) for j in range(2 if i == 7 else 1)]
+        for i, (p, m, (t, k)) in enumerate(zip(prompts, news, settings))
+    ]
+    assert len({w[0][0] for w in want}) > 4  # the settings draw differently
+    for engine in (
+        ContiguousEngine(model, max_batch=9, vocab_size=vocab_size),
+        PagedEngine(model, num_blocks=18, block_size=4, token_budget=12, max_batch=9, vocab_size=vocab_size),
+    ):
+        requests = make()
+        run_engine(engine, requests, arrivals=[0, 0, 1, 1, 2, 3, 3, 4], check=isinstance(engine, PagedEngine))
+        assert [[s.generated for s in r.sequences] for r in requests] == want
+    assert engine.meter.num_preemptions > 0
