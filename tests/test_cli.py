@@ -3,6 +3,7 @@ what a plain run prints and writes (--json, --pool-map), samples and beams, padd
 Experiments run through it (--compare under a budget, --sweep-rates) are test_experiments.py's."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from conftest import tiny_gpt
 from test_model import save_nanogpt_ckpt
 
 import generate
+from engine import Engine
 from model import GPT, GPTConfig
 from scheduler import PagedEngine
 
@@ -271,7 +273,18 @@ def test_plain_run_prints_completions_and_one_summary_line_and_help_shows_defaul
     assert "(default: 0.8)" in help_text and "(default: 512)" in help_text and "(default: inf)" in help_text
 
 
-def test_cli_json_holds_requests_in_order_and_metrics(ckpt, tmp_path):
+def test_cli_json_holds_requests_in_order_and_metrics(ckpt, tmp_path, monkeypatch):
+    """Two prompts of two greedy samples, 10 tokens each, all at once, on a clock that only a step moves, by a
+    second: every sequence takes its first token in step 1 and its last in step 10."""
+    clock = SimpleNamespace(t=0.0)
+    monkeypatch.setattr("engine.WALL_CLOCK", SimpleNamespace(now=lambda: clock.t, sleep=None))
+    step = Engine.step
+
+    def timed_step(self):
+        clock.t += 1.0
+        return step(self)
+
+    monkeypatch.setattr(Engine, "step", timed_step)
     out = tmp_path / "run.json"
     for paged in [[], ["--paged"]]:
         generate.main(
@@ -297,30 +310,28 @@ def test_cli_json_holds_requests_in_order_and_metrics(ckpt, tmp_path):
         assert [r["prompt"] for r in data["requests"]] == ["ROMEO:", "To be, or not"]  # samples: one entry each
         assert all(len(r["sequences"]) == 2 for r in data["requests"])
         assert all(len(s["output_tokens"]) == 10 for r in data["requests"] for s in r["sequences"])
-        for key in [
-            "output_tokens",
-            "wall_s",
-            "output_tok_s",
-            "ttft_ms_mean",
-            "ttft_ms_p90",
-            "tpot_ms_mean",
-            "steps",
-            "prefill_tokens",
-        ]:
-            assert key in data["metrics"]
+        prompt_lens = [len(r["prompt_tokens"]) for r in data["requests"]]
+        want = dict(
+            output_tokens=2 * 2 * 10,
+            wall_s=10,
+            output_tok_s=40 / 10,
+            ttft_ms_mean=1000,
+            ttft_ms_p90=1000,
+            tpot_ms_mean=(10_000 - 1000) / 9,
+            steps=10,
+            prefill_tokens=sum(prompt_lens),  # once for both samples
+        )
         if paged:
-            for key in [
-                "kv_slots_allocated_peak",
-                "kv_slots_used_peak",
-                "kv_waste_pct",
-                "num_blocks",
-                "block_size",
-                "prefix_hit_rate",
-                "preemptions",
-            ]:
-                assert key in data["metrics"]
+            # ROMEO: is 6 tokens and To be, or not 11 (in a 300-id vocabulary): a sample of the first needs one
+            # 16-slot block, of the second two, and the pool holds just that. The peak comes in step 7, where the
+            # second's samples write position 16: 6 blocks, holding 6 + 6 and 16 + 1 tokens for each sample
+            assert prompt_lens == [6, 11]
+            used = 2 * (6 + 6) + 2 * (16 + 1)
+            want.update(kv_slots_allocated_peak=6 * 16, kv_slots_used_peak=used, kv_waste_pct=100 * (96 - used) / 96)
+            want.update(num_blocks=6, block_size=16, prefix_hit_rate=0, preemptions=0)
         else:
             greedy = [s["output_tokens"] for r in data["requests"] for s in r["sequences"]]
+        assert {k: data["metrics"][k] for k in want} == pytest.approx(want)
     assert greedy == [s["output_tokens"] for r in data["requests"] for s in r["sequences"]]  # paged == contiguous
 
 
