@@ -25,6 +25,19 @@ def one_line_error(argv):
     return e.value.code
 
 
+def one_second_steps(monkeypatch):
+    """The engines the CLI builds read a clock that only their steps move, each by a second."""
+    clock = SimpleNamespace(t=0.0)
+    monkeypatch.setattr("engine.WALL_CLOCK", SimpleNamespace(now=lambda: clock.t, sleep=None))
+    step = Engine.step
+
+    def timed_step(self):
+        clock.t += 1.0
+        return step(self)
+
+    monkeypatch.setattr(Engine, "step", timed_step)
+
+
 def broken_checkpoints(tmp_path):
     good = tiny_gpt(dtype=torch.float32)
     state, args = good.state_dict(), vars(good.config)
@@ -276,15 +289,7 @@ def test_plain_run_prints_completions_and_one_summary_line_and_help_shows_defaul
 def test_cli_json_holds_requests_in_order_and_metrics(ckpt, tmp_path, monkeypatch):
     """Two prompts of two greedy samples, 10 tokens each, all at once, on a clock that only a step moves, by a
     second: every sequence takes its first token in step 1 and its last in step 10."""
-    clock = SimpleNamespace(t=0.0)
-    monkeypatch.setattr("engine.WALL_CLOCK", SimpleNamespace(now=lambda: clock.t, sleep=None))
-    step = Engine.step
-
-    def timed_step(self):
-        clock.t += 1.0
-        return step(self)
-
-    monkeypatch.setattr(Engine, "step", timed_step)
+    one_second_steps(monkeypatch)
     out = tmp_path / "run.json"
     for paged in [[], ["--paged"]]:
         generate.main(
