@@ -149,8 +149,10 @@ def test_bf16_engine_under_preemption_stays_on_the_baselines_path():
     """The shipped model in bf16, prepacked as generate.py runs it, greedy: the paged engine in a pool that
     preempts, eager and compiled, against the contiguous baseline. The two round differently, so an output
     may part after a near tie (docs/bf16.md#comparisons-in-bf16); a K/V in a wrong slot, block or dtype
-    would part at once. Measured on an AVX2 EPYC: 96% of each output identical before a difference, 14-15
-    of 16 outputs identical throughout."""
+    would part at once. Measured, as the share of each output identical before a difference and the outputs
+    identical throughout: on an AVX2 EPYC (float32 copies of the weights), 96% and 14-15 of 16; on a Xeon with
+    AMX (bf16 kernels), eager 100% and 16, compiled 96% and 14 (other prompt seeds there: 82-100%, 12-16).
+    Compiled decode attention summing in bf16 instead of float32 gave 86.5% and 13."""
     from contiguous import ContiguousEngine
     from generate import agreement
 
@@ -162,5 +164,5 @@ def test_bf16_engine_under_preemption_stays_on_the_baselines_path():
         engine = PagedEngine(model, num_blocks=24, block_size=4, token_budget=64, max_batch=16, compile=compile)
         got = run_engine(engine, make_requests(prompts, news), check=True)
         assert engine.meter.num_preemptions > 0
-        assert sum(map(agreement, want, got)) / len(want) > 0.75
-        assert sum(a == b for a, b in zip(want, got)) >= len(want) // 2
+        assert sum(map(agreement, want, got)) / len(want) > 0.9
+        assert sum(a == b for a, b in zip(want, got)) >= 13

@@ -1,18 +1,19 @@
-"""The command line a newcomer meets: one-line errors, honest metrics, padded vocabularies, Ctrl-C."""
+"""The command line (generate.py) a newcomer meets: one-line errors for bad flags, prompts and checkpoints,
+what a plain run prints and writes (--json, --pool-map), samples and beams, padded vocabularies, Ctrl-C.
+Experiments run through it (--compare under a budget, --sweep-rates) are test_experiments.py's."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import run_engine, tiny_gpt
+from conftest import tiny_gpt
 from test_model import save_nanogpt_ckpt
 
 import generate
-from contiguous import ContiguousEngine
-from metrics import cell, metrics, percentile
+from engine import Engine
 from model import GPT, GPTConfig
 from scheduler import PagedEngine
-from sequence import Request
 
 
 def one_line_error(argv):
@@ -22,6 +23,19 @@ def one_line_error(argv):
         generate.main(argv)
     assert isinstance(e.value.code, str) and e.value.code.startswith("error: ") and "\n" not in e.value.code
     return e.value.code
+
+
+def one_second_steps(monkeypatch):
+    """The engines the CLI builds read a clock that only their steps move, each by a second."""
+    clock = SimpleNamespace(t=0.0)
+    monkeypatch.setattr("engine.WALL_CLOCK", SimpleNamespace(now=lambda: clock.t, sleep=None))
+    step = Engine.step
+
+    def timed_step(self):
+        clock.t += 1.0
+        return step(self)
+
+    monkeypatch.setattr(Engine, "step", timed_step)
 
 
 def broken_checkpoints(tmp_path):
@@ -52,6 +66,44 @@ def broken_checkpoints(tmp_path):
 def test_broken_checkpoints_are_one_line_errors_naming_the_cause(tmp_path):
     for name, message in broken_checkpoints(tmp_path):
         assert message in one_line_error(["--ckpt", str(tmp_path / name)]), name
+
+
+def test_cli_bad_checkpoint_and_empty_prompts_file(tmp_path, ckpt):
+    (tmp_path / "bad.pt").write_text("garbage")
+    (tmp_path / "empty.txt").write_text("\n\n")
+    for argv, message in [
+        (["--ckpt", str(tmp_path / "bad.pt")], "cannot read checkpoint"),
+        (["--ckpt", str(tmp_path / "none.pt")], "no checkpoint at"),
+        (["--ckpt", ckpt, "--prompts", str(tmp_path / "empty.txt")], "holds no prompt"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            generate.main(argv)
+        assert e.value.code.startswith("error: ") and message in e.value.code
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--prompt", ""], "empty prompt"),
+        (["--prompt", "Hi", "--max-new-tokens", "70"], "= 72 exceeds the model's context of 64"),
+        (["--temperature", "-0.5"], "--temperature: -0.5 is below 0"),
+        (["--top-k", "0"], "--top-k: 0 is below 1"),
+        (["--paged", "--block-size", "0"], "--block-size: 0 is below 1"),
+        (["--paged", "--token-budget", "0"], "--token-budget: 0 is below 1"),
+        (["--paged", "--num-blocks", "1", "--block-size", "4", "--max-new-tokens", "20"], "but the pool has only 1"),
+        (["--prompts", "/no/such/file"], "cannot read --prompts file"),
+        pytest.param(
+            ["--device", "cuda"],
+            "sees no CUDA GPU",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="has CUDA"),
+        ),
+    ],
+)
+def test_cli_bad_input_is_one_line_error(ckpt, capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        generate.main(["--ckpt", ckpt, "--max-new-tokens", "8", *argv])
+    assert isinstance(e.value.code, str) and e.value.code.startswith("error: ") and "\n" not in e.value.code
+    assert message in e.value.code
 
 
 @pytest.mark.parametrize(
@@ -108,6 +160,30 @@ def test_bad_workload_output_and_budget_flags_are_one_line_errors(ckpt, argv, me
     assert message in one_line_error(["--ckpt", ckpt, *argv])
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--num-beams", "2", "--temperature", "0.8"], "--num-beams 2 is greedy beam search"),
+        (["--num-beams", "2", "--top-k", "5"], "--num-beams 2 is greedy beam search"),
+        (["--num-beams", "2", "--num-samples", "3"], "--num-beams 2 is greedy beam search"),
+        (["--num-beams", "2", "--stop-at-eos"], "it takes no --num-samples, --temperature, --top-k or --stop-at-eos"),
+        (["--num-beams", "0"], "argument --num-beams: 0 is below 1"),
+        (["--num-samples", "0"], "argument --num-samples: 0 is below 1"),
+        (["--length-penalty", "0.5"], "--length-penalty needs --num-beams"),
+        (
+            ["--num-beams", "9", "--max-batch", "8", "--paged", "--max-new-tokens", "9"],
+            "9 sequences of one request exceed the 8 that run at once",
+        ),
+        (
+            ["--num-beams", "4", "--paged", "--num-blocks", "10", "--block-size", "4", "--max-new-tokens", "20"],
+            "needs 7 blocks of 4 for each of 4 beams, but the pool has only 10",
+        ),
+    ],
+)
+def test_bad_sample_and_beam_flags_are_one_line_errors(ckpt, argv, message):
+    assert message in one_line_error(["--ckpt", ckpt, "--prompt", "ROMEO:"] + argv)
+
+
 def test_non_utf8_prompts_file_is_a_one_line_error(ckpt, tmp_path):
     (tmp_path / "latin1.txt").write_bytes("ROMEO:\ncaf\xe9\n".encode("latin-1"))
     assert "is not UTF-8 text: invalid continuation byte at byte 10" in one_line_error(
@@ -123,38 +199,6 @@ def test_tiny_temperature_behaves_as_greedy(ckpt, tmp_path):
         )
         outputs.append([r["output_tokens"] for r in json.loads((tmp_path / "t.json").read_text())["requests"]])
     assert outputs[0] == outputs[1]
-
-
-def test_percentiles_interpolate_between_closest_ranks():
-    assert percentile([10.0, 20.0], 90) == 19.0  # not the minimum, as int(0.9 * (n - 1)) gave
-    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
-    assert percentile([0.0, 100.0], 99) == 99.0 and percentile([7.0], 99) == 7.0
-
-
-def test_waste_counts_only_last_block_tails_and_prompt_blocks_held_ahead_are_reported_apart(model):
-    engine = PagedEngine(model, num_blocks=8, block_size=4, token_budget=4)
-    run_engine(engine, [Request(list(range(1, 11)), 3)])  # 10 prompt tokens in 3 blocks, 4 per step
-    # (allocated, used, ahead): the prompt's 3 blocks are allocated at admission, filled 4 tokens a step
-    assert [(s["allocated"], s["used"], s["ahead"]) for s in engine.meter.steps] == [
-        (12, 4, 8),
-        (12, 8, 4),
-        (12, 10, 0),
-        (12, 11, 0),
-        (12, 12, 0),
-    ]
-    m = metrics(engine.meter, 1.0, float("inf"), None)
-    assert m["kv_waste_pct"] == 0.0 and m["kv_ahead_pct"] == pytest.approx(100 * 8 / 12)
-    steady = PagedEngine(model, num_blocks=8, block_size=4, token_budget=64)
-    run_engine(steady, [Request(list(range(1, 11)), 1)])  # one step: 10 tokens in 12 slots
-    assert metrics(steady.meter, 1.0, float("inf"), None)["kv_waste_pct"] == pytest.approx(100 * 2 / 12)
-
-
-def test_tpot_is_not_applicable_when_every_request_makes_one_token(model):
-    engine = ContiguousEngine(model)
-    run_engine(engine, [Request([1, 2, 3], 1), Request([4, 5], 1)])
-    m = metrics(engine.meter, 1.0, float("inf"), None)
-    assert m["tpot_ms_mean"] is None and m["prefix_hit_rate"] is None
-    assert cell(None) == "—" and cell(31050.4) == "31,050" and cell(0.123) == "0.12"
 
 
 def padded_vocab_checkpoint(path):
@@ -244,59 +288,58 @@ def test_plain_run_prints_completions_and_one_summary_line_and_help_shows_defaul
     )
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_compare_serves_the_users_own_prompts(ckpt, tmp_path, capsys, dtype):
-    """Equal outputs in float32; in bf16, where the designs round differently, the table says why they part."""
-    generate.main(
-        [
-            "--dtype",
-            dtype,
-            "--ckpt",
-            ckpt,
-            "--compare",
-            "--prompt",
-            "ROMEO:",
-            "--max-new-tokens",
-            "7",
-            "--temperature",
-            "0",
-            "--json",
-            str(tmp_path / "c.json"),
-        ]
-    )
-    runs = json.loads((tmp_path / "c.json").read_text())["runs"]
-    assert set(runs) == {"contiguous", "paged", "paged_prefix"}
-    assert all(m["output_tokens"] == 7 for m in runs.values())
-    note = "in bfloat16 the designs round differently"
-    if dtype == "float32":
-        assert runs["paged"]["same_output_pct"] == runs["paged_prefix"]["same_output_pct"] == 100
-        assert runs["paged"]["same_prefix_pct"] == runs["paged_prefix"]["same_prefix_pct"] == 100
-        assert note not in capsys.readouterr().out
-    else:
-        assert note in capsys.readouterr().out
-
-
-@pytest.mark.parametrize(
-    "argv, message",
-    [
-        (["--num-beams", "2", "--temperature", "0.8"], "--num-beams 2 is greedy beam search"),
-        (["--num-beams", "2", "--top-k", "5"], "--num-beams 2 is greedy beam search"),
-        (["--num-beams", "2", "--num-samples", "3"], "--num-beams 2 is greedy beam search"),
-        (["--num-beams", "0"], "argument --num-beams: 0 is below 1"),
-        (["--num-samples", "0"], "argument --num-samples: 0 is below 1"),
-        (["--length-penalty", "0.5"], "--length-penalty needs --num-beams"),
-        (
-            ["--num-beams", "9", "--max-batch", "8", "--paged", "--max-new-tokens", "9"],
-            "9 sequences of one request exceed the 8 that run at once",
-        ),
-        (
-            ["--num-beams", "4", "--paged", "--num-blocks", "10", "--block-size", "4", "--max-new-tokens", "20"],
-            "needs 7 blocks of 4 for each of 4 beams, but the pool has only 10",
-        ),
-    ],
-)
-def test_bad_sample_and_beam_flags_are_one_line_errors(ckpt, argv, message):
-    assert message in one_line_error(["--ckpt", ckpt, "--prompt", "ROMEO:"] + argv)
+def test_cli_json_holds_requests_in_order_and_metrics(ckpt, tmp_path, monkeypatch):
+    """Two prompts of two greedy samples, 10 tokens each, all at once, on a clock that only a step moves, by a
+    second: every sequence takes its first token in step 1 and its last in step 10."""
+    one_second_steps(monkeypatch)
+    out = tmp_path / "run.json"
+    for paged in [[], ["--paged"]]:
+        generate.main(
+            [
+                "--ckpt",
+                ckpt,
+                "--prompt",
+                "ROMEO:",
+                "--prompt",
+                "To be, or not",
+                "--num-samples",
+                "2",
+                "--max-new-tokens",
+                "10",
+                "--temperature",
+                "0",
+                "--json",
+                str(out),
+                *paged,
+            ]
+        )
+        data = json.loads(out.read_text())
+        assert [r["prompt"] for r in data["requests"]] == ["ROMEO:", "To be, or not"]  # samples: one entry each
+        assert all(len(r["sequences"]) == 2 for r in data["requests"])
+        assert all(len(s["output_tokens"]) == 10 for r in data["requests"] for s in r["sequences"])
+        prompt_lens = [len(r["prompt_tokens"]) for r in data["requests"]]
+        want = dict(
+            output_tokens=2 * 2 * 10,
+            wall_s=10,
+            output_tok_s=40 / 10,
+            ttft_ms_mean=1000,
+            ttft_ms_p90=1000,
+            tpot_ms_mean=(10_000 - 1000) / 9,
+            steps=10,
+            prefill_tokens=sum(prompt_lens),  # once for both samples
+        )
+        if paged:
+            # ROMEO: is 6 tokens and To be, or not 11 (in a 300-id vocabulary): a sample of the first needs one
+            # 16-slot block, of the second two, and the pool holds just that. The peak comes in step 7, where the
+            # second's samples write position 16: 6 blocks, holding 6 + 6 and 16 + 1 tokens for each sample
+            assert prompt_lens == [6, 11]
+            used = 2 * (6 + 6) + 2 * (16 + 1)
+            want.update(kv_slots_allocated_peak=6 * 16, kv_slots_used_peak=used, kv_waste_pct=100 * (96 - used) / 96)
+            want.update(num_blocks=6, block_size=16, prefix_hit_rate=0, preemptions=0)
+        else:
+            greedy = [s["output_tokens"] for r in data["requests"] for s in r["sequences"]]
+        assert {k: data["metrics"][k] for k in want} == pytest.approx(want)
+    assert greedy == [s["output_tokens"] for r in data["requests"] for s in r["sequences"]]  # paged == contiguous
 
 
 def test_num_samples_and_beams_print_and_write_every_sequence(ckpt, tmp_path, capsys):
@@ -362,9 +405,47 @@ def test_num_samples_and_beams_print_and_write_every_sequence(ckpt, tmp_path, ca
     assert json.loads(contiguous.read_text())["requests"][0]["sequences"] == beams
 
 
-def test_agreement_is_the_share_of_an_output_identical_before_its_first_difference():
-    assert generate.agreement([1, 2, 3, 4], [1, 2, 3, 4]) == 1.0
-    assert generate.agreement([1, 2, 9, 4], [1, 2, 3, 4]) == 0.5
-    assert generate.agreement([5, 2], [1, 2]) == 0.0
-    assert generate.agreement([1, 2], [1, 2, 3, 4]) == 0.5  # one stopped early (eos): the rest differs
-    assert generate.agreement([], []) == 1.0
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_compare_serves_the_users_own_prompts(ckpt, tmp_path, capsys, dtype):
+    """Equal outputs in float32; in bf16, where the designs round differently, the table says why they part."""
+    generate.main(
+        [
+            "--dtype",
+            dtype,
+            "--ckpt",
+            ckpt,
+            "--compare",
+            "--prompt",
+            "ROMEO:",
+            "--max-new-tokens",
+            "7",
+            "--temperature",
+            "0",
+            "--json",
+            str(tmp_path / "c.json"),
+        ]
+    )
+    runs = json.loads((tmp_path / "c.json").read_text())["runs"]
+    assert set(runs) == {"contiguous", "paged", "paged_prefix"}
+    assert all(m["output_tokens"] == 7 for m in runs.values())
+    note = "in bfloat16 the designs round differently"
+    if dtype == "float32":
+        assert runs["paged"]["same_output_pct"] == runs["paged_prefix"]["same_output_pct"] == 100
+        assert runs["paged"]["same_prefix_pct"] == runs["paged_prefix"]["same_prefix_pct"] == 100
+        assert note not in capsys.readouterr().out
+    else:
+        assert note in capsys.readouterr().out
+
+
+def test_cli_pool_map_is_written_and_its_flag_checked_before_the_run(ckpt, tmp_path, capsys):
+    path = tmp_path / "out" / "pool.png"  # a folder that does not exist yet is made, as for --plot and --json
+    generate.main(["--ckpt", ckpt, "--paged", "--max-new-tokens", "6", "--pool-map", str(path)])
+    assert path.read_bytes()[:4] == b"\x89PNG"
+    assert f"pool map written to {path}" in capsys.readouterr().out
+    for argv, message in [
+        (["--pool-map", "p.png"], "--pool-map needs --paged, without --compare"),
+        (["--paged", "--compare", "--pool-map", "p.png"], "--pool-map needs --paged, without --compare"),
+        (["--paged", "--pool-map", "p.xyz"], "--pool-map p.xyz: the file name must end in one of"),
+        (["--paged", "--pool-map", "/dev/null/p.png"], "--pool-map /dev/null/p.png: cannot make the folder /dev/null"),
+    ]:
+        assert message in one_line_error(["--ckpt", ckpt] + argv)

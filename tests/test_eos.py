@@ -87,10 +87,3 @@ def test_forks_and_separate_requests_stop_alike_under_memory_pressure(model):
     run_engine(engine, requests, check=True)
     assert [[s.generated for s in r.sequences] for r in requests] == [[cut_at(o, eos) for o in outs] for outs in free]
     assert engine.meter.num_preemptions > 0 and engine.allocator.num_free() == 16
-
-
-def test_beam_search_with_eos_is_refused_in_one_line(model):
-    engine = PagedEngine(model, num_blocks=10, block_size=4)
-    with pytest.raises(ValueError, match="beam search is greedy and runs max_new_tokens") as e:
-        engine.add(Request([1, 2, 3], 4, SamplingParams(num_beams=2, eos=0)))
-    assert "\n" not in str(e.value)

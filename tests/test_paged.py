@@ -26,18 +26,18 @@ def test_lifecycle_prompt_blocks_then_one_more_when_decode_crosses_a_boundary(mo
 
 
 def test_reuse_blocks_freed_by_a_finished_request_go_to_the_next_lifo(model):
+    """The block freed last goes out first, where a lowest-free-id allocator would hand out the lowest."""
     alloc = BlockAllocator(10, block_size=4)
-    first = alloc.allocate(3)
-    alloc.allocate(2)
+    first, second = alloc.allocate(3), alloc.allocate(2)  # [0, 1, 2], [3, 4]
     alloc.free(first)
-    assert alloc.allocate(3) == first  # tail freed first, head last: the head block comes back first
+    alloc.free(second)  # tail first, head last: 3 is on top
+    assert alloc.allocate(3) == [3, 4, 0]  # lowest first: [0, 1, 2]
     engine = PagedEngine(model, num_blocks=10, block_size=4, token_budget=64, prefix_cache=False)
-    a, b = Request([1, 2, 3, 4, 5, 6], 2), Request([7, 8, 9, 10, 11], 2)
-    run_engine(engine, [a])
-    held_by_a = [0, 1]  # what LIFO handed out from a fresh pool
+    a, c, b = Request([1, 2, 3, 4, 5, 6], 2), Request([7], 4), Request([8, 9, 10, 11, 12], 2)
+    run_engine(engine, [a, c])  # a holds blocks 0 and 1 and finishes first; c holds block 2 and finishes last
     engine.add(b)
     engine.step()
-    assert b.sequences[0].block_table == held_by_a
+    assert b.sequences[0].block_table == [2, 0]  # c's, then a's head; lowest first: [0, 1]
 
 
 def test_exhausted_pool_admits_after_release(model):

@@ -1,13 +1,11 @@
 """The pool map: every block's recorded state against the running sequences' block tables, the admissions
-and preemptions it marks, and the picture it draws, from the Python API and from the command line."""
+and preemptions it marks, and the picture it draws (--pool-map is test_cli.py's)."""
 
 import random
 
 import numpy as np
 from conftest import check_invariants, run_engine
-from test_cli import one_line_error
 
-import generate
 from metrics import Meter
 from plots import CACHED, COPIED, FREE, HELD, SHARED, PoolMap
 from scheduler import PagedEngine
@@ -101,17 +99,3 @@ def test_draw_writes_a_png_with_a_column_per_step(model, tmp_path):
     pool_map.draw(path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert np.stack(pool_map.states, axis=1).shape == (32, len(pool_map.states))
-
-
-def test_cli_pool_map_is_written_and_its_flag_checked_before_the_run(ckpt, tmp_path, capsys):
-    path = tmp_path / "out" / "pool.png"  # a folder that does not exist yet is made, as for --plot and --json
-    generate.main(["--ckpt", ckpt, "--paged", "--max-new-tokens", "6", "--pool-map", str(path)])
-    assert path.read_bytes()[:4] == b"\x89PNG"
-    assert f"pool map written to {path}" in capsys.readouterr().out
-    for argv, message in [
-        (["--pool-map", "p.png"], "--pool-map needs --paged, without --compare"),
-        (["--paged", "--compare", "--pool-map", "p.png"], "--pool-map needs --paged, without --compare"),
-        (["--paged", "--pool-map", "p.xyz"], "--pool-map p.xyz: the file name must end in one of"),
-        (["--paged", "--pool-map", "/dev/null/p.png"], "--pool-map /dev/null/p.png: cannot make the folder /dev/null"),
-    ]:
-        assert message in one_line_error(["--ckpt", ckpt] + argv)

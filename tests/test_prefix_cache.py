@@ -36,13 +36,22 @@ def test_outputs_identical_with_cache_on_off_and_on_the_baseline(model):
 
 
 def test_identical_blocks_behind_different_prefixes_never_hit(model):
+    """Block 1 of a and of b holds the same tokens behind different blocks 0. With b's block 0 cached too, b's
+    lookup reaches block 1, where only the chain (block 0's hash inside block 1's) tells b's from a's."""
+    prompts = [[1, 2, 3, 4, 9, 9, 9, 9, 5], [6, 7, 8, 1, 0, 0, 0, 0, 5], [6, 7, 8, 1, 9, 9, 9, 9, 5]]  # a, c, b
+    a, b = (Request(prompts[i], 8).sequences[0] for i in (0, 2))
+    alloc = BlockAllocator(8, block_size=4)
+    for s, k in [(a, 0), (a, 1), (b, 0)]:
+        alloc.register(alloc.allocate()[0], alloc.block_hash(s, k), alloc.block_tokens(s, k))
+    assert alloc.block_tokens(a, 1) == alloc.block_tokens(b, 1)
+    assert alloc.cached_prefix(b) == [alloc.lookup(alloc.block_hash(b, 0), (6, 7, 8, 1))]  # not a's block 1
+    # the engine: a caches both its blocks, c caches b's block 0, then b finds that block alone; sampled, so
+    # that b's tokens show a's K/V in its block 1 (computed behind a's block 0)
     engine = PagedEngine(model, num_blocks=50, block_size=4, token_budget=64)
-    common = [9, 9, 9, 9]
-    a, b = Request([1, 2, 3, 4] + common + [5], 1), Request([6, 7, 8, 1] + common + [5], 1)
-    run_engine(engine, [a])
-    engine.add(b)
-    engine.step()
-    assert engine.meter.cached_tokens == 0 and engine.meter.prefill_tokens == 18  # b's second block was not served
+    one_by_one = [0, 10, 20]  # each done before the next arrives
+    got = run_engine(engine, make_requests(prompts, [8] * 3, temperature=1.0), one_by_one)
+    assert engine.meter.cached_tokens == 4
+    assert got == baseline(model, prompts, [8] * 3, temperature=1.0)
 
 
 def test_entirely_cached_prompt_still_computes_its_last_token(model):

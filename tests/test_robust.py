@@ -147,8 +147,8 @@ def test_a_request_is_refused_when_added_twice_or_after_it_finished(model):
 
 
 def test_preemption_takes_the_newest_so_the_oldest_always_progresses(model):
-    """Under a pool that preempts, every victim started after some sequence that keeps running: the oldest
-    running sequence is never the one let go while others run (vLLM's order; docs/design.md)."""
+    """Under a pool that preempts, every victim is the newest of the running sequences, counted by when each
+    (re)started: the oldest is let go last (vLLM's order; docs/design.md)."""
     from engine import Observer
 
     class StartOrder(Observer):
@@ -160,10 +160,10 @@ def test_preemption_takes_the_newest_so_the_oldest_always_progresses(model):
                 self.order[s] = self.admissions
                 self.admissions += 1
 
-        def preempted(self, victim):
+        def preempted(self, victim):  # the victim has just left engine.running
             self.victims += 1
-            others = [self.order[s] for s in self.engine.running]
-            assert not others or self.order[victim] > min(others), "the oldest running sequence was preempted"
+            newest = max(self.engine.running + [victim], key=self.order.get)
+            assert newest is victim, f"started {self.order[victim]} was preempted before {self.order[newest]}"
 
     prompts, news = [[i + 1] * (5 + 3 * i) for i in range(8)], [20] * 8
     engine = PagedEngine(model, num_blocks=20, block_size=4, token_budget=32, max_batch=8)

@@ -1,6 +1,5 @@
 """The tiny Shakespeare model that ships in models/: what the first `python generate.py --paged` runs."""
 
-import pytest
 import torch
 
 import checkpoints
@@ -25,9 +24,3 @@ def test_first_run_serves_the_shipped_model(capsys):
     generate.main(["--paged", "--max-new-tokens", "20"])
     out = capsys.readouterr().out
     assert out.count("--- request") == 4 and "ROMEO:" in out and "paged + prefix cache: 80 new tokens" in out
-
-
-def test_stop_at_eos_with_beams_is_one_line():
-    with pytest.raises(SystemExit) as e:
-        generate.main(["--paged", "--num-beams", "2", "--stop-at-eos"])
-    assert e.value.code.startswith("error: ") and "--stop-at-eos" in e.value.code and "\n" not in e.value.code

@@ -1,0 +1,121 @@
+"""What a run measures (metrics.py): Meter hears the engine's steps, metrics() turns them into vLLM's
+benchmark figures (TTFT, TPOT, latency, percentiles) and the KV slots' use; --compare's agreement."""
+
+import pytest
+from conftest import run_engine
+
+import generate
+from contiguous import ContiguousEngine
+from engine import Observer
+from metrics import Meter, cell, metrics, percentile
+from scheduler import PagedEngine
+from sequence import Request
+
+
+def test_percentiles_interpolate_between_closest_ranks():
+    assert percentile([10.0, 20.0], 90) == 19.0  # not the minimum, as int(0.9 * (n - 1)) gave
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([0.0, 100.0], 99) == 99.0 and percentile([7.0], 99) == 7.0
+
+
+def test_waste_counts_only_last_block_tails_and_prompt_blocks_held_ahead_are_reported_apart(model):
+    engine = PagedEngine(model, num_blocks=8, block_size=4, token_budget=4)
+    run_engine(engine, [Request(list(range(1, 11)), 3)])  # 10 prompt tokens in 3 blocks, 4 per step
+    # (allocated, used, ahead): the prompt's 3 blocks are allocated at admission, filled 4 tokens a step
+    assert [(s["allocated"], s["used"], s["ahead"]) for s in engine.meter.steps] == [
+        (12, 4, 8),
+        (12, 8, 4),
+        (12, 10, 0),
+        (12, 11, 0),
+        (12, 12, 0),
+    ]
+    m = metrics(engine.meter, 1.0, float("inf"), None)
+    assert m["kv_waste_pct"] == 0.0 and m["kv_ahead_pct"] == pytest.approx(100 * 8 / 12)
+    steady = PagedEngine(model, num_blocks=8, block_size=4, token_budget=64)
+    run_engine(steady, [Request(list(range(1, 11)), 1)])  # one step: 10 tokens in 12 slots
+    assert metrics(steady.meter, 1.0, float("inf"), None)["kv_waste_pct"] == pytest.approx(100 * 2 / 12)
+
+
+def test_tpot_is_not_applicable_when_every_request_makes_one_token(model):
+    engine = ContiguousEngine(model)
+    run_engine(engine, [Request([1, 2, 3], 1), Request([4, 5], 1)])
+    m = metrics(engine.meter, 1.0, float("inf"), None)
+    assert m["tpot_ms_mean"] is None and m["prefix_hit_rate"] is None
+    assert cell(None) == "—" and cell(31050.4) == "31,050" and cell(0.123) == "0.12"
+
+
+def test_agreement_is_the_share_of_an_output_identical_before_its_first_difference():
+    assert generate.agreement([1, 2, 3, 4], [1, 2, 3, 4]) == 1.0
+    assert generate.agreement([1, 2, 9, 4], [1, 2, 3, 4]) == 0.5
+    assert generate.agreement([5, 2], [1, 2]) == 0.0
+    assert generate.agreement([1, 2], [1, 2, 3, 4]) == 0.5  # one stopped early (eos): the rest differs
+    assert generate.agreement([], []) == 1.0
+
+
+class TokenClock(Observer):
+    """A fake clock that a step moves by one second per token its forward computes, and nothing else moves:
+    every time a request is stamped with is known before the run."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def now(self):
+        return self.t
+
+    def sleep(self, seconds):
+        self.t += seconds
+
+    def planned(self, plan):  # after the Meter's: its step starts before the forward's seconds, ends after
+        self.t += sum(n for _, n in plan)
+
+
+@pytest.mark.parametrize("design", ["contiguous", "paged"])
+def test_every_figure_equals_its_value_worked_out_by_hand_on_a_fake_clock(model, design):
+    """a (4 prompt tokens, 3 new) and b (2, 1) arrive at 0 s. Step 0 computes 4 + 2 tokens: 0 -> 6 s; a and b
+    take their first tokens, and b is done. c (3, 2) arrives at 6 s. Step 1: a's decode and c's prompt, 1 + 3
+    tokens: -> 10 s. Step 2: a decode each, -> 12 s; a and c are done. Both designs run this schedule; they
+    keep K/V apart (a block: 4 slots)."""
+    clock = TokenClock()
+    if design == "contiguous":
+        engine = ContiguousEngine(model, clock=clock)
+    else:
+        engine = PagedEngine(model, num_blocks=16, block_size=4, prefix_cache=False, clock=clock)
+    engine.meter = Meter(engine)
+    engine.observers.append(clock)
+    requests = [Request([1, 2, 3, 4], 3), Request([5, 6], 1), Request([7, 8, 9], 2)]
+    run_engine(engine, requests, arrivals=[0, 0, 1])
+    assert [r.arrival for r in requests] == [0, 0, 6] and [s["seconds"] for s in engine.meter.steps] == [6, 4, 2]
+    ttft = [6000, 6000, 10000 - 6000]  # ms, from each one's arrival
+    latency = [12000, 6000, 12000 - 6000]
+    tpot = [(12000 - 6000) / 2, (12000 - 10000) / 1]  # b made one token: no TPOT
+    want = dict(
+        output_tokens=6,
+        wall_s=12,
+        output_tok_s=0.5,
+        ttft_ms_mean=sum(ttft) / 3,
+        ttft_ms_p90=6000,  # 90% of the way from rank 1 to rank 2 of [4000, 6000, 6000]
+        ttft_ms_p99=6000,
+        tpot_ms_mean=sum(tpot) / 2,
+        latency_ms_mean=sum(latency) / 3,
+        latency_ms_p50=6000,  # rank 1 of [6000, 6000, 12000]
+        latency_ms_p90=6000 + 0.8 * 6000,
+        latency_ms_p99=6000 + 0.98 * 6000,
+        normalized_latency_ms=(12000 / 3 + 6000 / 1 + 6000 / 2) / 3,
+        request_rate=float("inf"),
+        steps=3,
+        prefill_tokens=4 + 2 + 3,
+        preemptions=0,
+        running_peak=2,
+        running_mean=2,
+        kv_budget_slots=None,
+    )
+    if design == "contiguous":  # K/V grow with the tokens: each step holds just what it computed
+        used = [4 + 2, 5 + 3, 6 + 4]
+        want.update(kv_used_pct_mean=100, kv_slots_allocated_peak=10, kv_slots_used_peak=10, prefix_hit_rate=None)
+        want.update(kv_waste_pct=0, kv_ahead_pct=0)
+        assert [(s["allocated"], s["used"]) for s in engine.meter.steps] == [(u, u) for u in used]
+    else:  # blocks: a 1, b 1 (8 slots for 6); a 2, c 1 (12 for 5 + 3); a 2, c 1 (12 for 6 + 4)
+        want.update(kv_used_pct_mean=100 * (6 / 8 + 8 / 12 + 10 / 12) / 3, kv_slots_allocated_peak=12)
+        want.update(kv_slots_used_peak=8, kv_waste_pct=100 * 4 / 12, kv_ahead_pct=0, prefix_hit_rate=0)
+        want.update(num_blocks=16, block_size=4)
+    assert metrics(engine.meter, clock.t, float("inf"), None) == pytest.approx(want)
