@@ -67,19 +67,18 @@ class StepBatch:
         self.last_token = ends - 1  # (R,) each entry's last token in the step's tokens
         self.spans = list(zip(starts.tolist(), ends.tolist()))  # (start, end) of each entry's new tokens
         self.chunks = [Chunk(i, *self.spans[i], int(num_cached[i])) for i in range(self.num_one_token, len(plan))]
-        self.tokens = [t for s, n in plan for t in s.tokens[s.num_computed : s.num_computed + n]]
-        self.sampled_entries = torch.tensor([x.entry for x in samplers], dtype=torch.long)  # (S,)
-        self.samplers = samplers
-        vars(self).update(staging.load(self.host_tensors(plan)))
+        vars(self).update(staging.load(self.host_tensors(plan, samplers)))
 
-    def host_tensors(self, plan):
+    def host_tensors(self, plan, samplers):
         """{name: host tensor} of what the forward reads; a subclass adds its own tables."""
+        tokens = [t for s, n in plan for t in s.tokens[s.num_computed : s.num_computed + n]]
+        entries = torch.tensor([x.entry for x in samplers], dtype=torch.long)  # (S,) each sampler's plan entry
         return dict(
-            idx=torch.tensor(self.tokens, dtype=torch.long),
+            idx=torch.tensor(tokens, dtype=torch.long),
             positions=self.host_positions,
-            logit_rows=self.last_token[self.sampled_entries],
-            sample_rows=torch.tensor([x.sequence.row for x in self.samplers], dtype=torch.long),
-            sample_pos=self.kv_lens[self.sampled_entries],
+            logit_rows=self.last_token[entries],
+            sample_rows=torch.tensor([x.sequence.row for x in samplers], dtype=torch.long),
+            sample_pos=self.kv_lens[entries],
         )
 
     def store(self, layer, k, v):  # hook: keep one layer's new K/V, k, v: (N, H, D)

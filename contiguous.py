@@ -18,8 +18,8 @@ class ContiguousBatch(StepBatch):
         self.sequences = [s for s, _ in plan]
         super().__init__(plan, samplers, staging)
 
-    def host_tensors(self, plan):  # and decode_pos (B, 1): each one-token entry's last position
-        return dict(super().host_tensors(plan), decode_pos=self.kv_lens[: self.num_one_token, None] - 1)
+    def host_tensors(self, plan, samplers):  # and decode_pos (B, 1): each one-token entry's last position
+        return dict(super().host_tensors(plan, samplers), decode_pos=self.kv_lens[: self.num_one_token, None] - 1)
 
     def store(self, layer, k, v):  # k, v: (N, H, D)
         for s, (a, b) in zip(self.sequences, self.spans):

@@ -159,9 +159,8 @@ class Engine:
         self.notify("sampled", plan)
         now = self.clock.now()
         self.start_decoding(samplers, now)
-        is_beam = [s.request.params.num_beams > 1 for s, _ in samplers]
-        self.append_tokens([(s, t) for (s, _), t, beam in zip(samplers, tokens, is_beam) if not beam], now)
-        beams = [(j, s) for j, ((s, _), beam) in enumerate(zip(samplers, is_beam)) if beam]
+        beams = [(j, s) for j, (s, _) in enumerate(samplers) if s.request.params.num_beams > 1]
+        self.append_tokens([(s, t) for (s, _), t in zip(samplers, tokens) if s.request.params.num_beams == 1], now)
         if beams:
             self.hold_logprobs(beams, logits, now)
         self.notify("stepped")

@@ -193,8 +193,8 @@ class PagedBatch(StepBatch):
         if padded_shape:
             self.num_one_token = padded_shape[0]
 
-    def host_tensors(self, plan):
-        host = super().host_tensors(plan)
+    def host_tensors(self, plan, samplers):
+        host = super().host_tensors(plan, samplers)
         block_size = self.k_pool.shape[2]
         padding = self.k_pool.shape[1] - 1  # the padding block
         blocks_read = blocks_for(self.kv_lens, block_size).tolist()  # (R,)

@@ -100,7 +100,7 @@ def plot(all_stats, sweep, path, title):
             axes[1].plot(rates, [point["runs"][name]["running_mean"] for point in sweep], "o-", label=LABELS[name])
         panels = [
             ("normalized latency", "request rate (req/s)", "ms per output token"),
-            ("mean batch size", "request rate (req/s)", "requests running at once"),
+            ("mean batch size", "request rate (req/s)", "sequences running at once"),
         ]
     else:
         fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))

@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import engine as engine_py
-from batch import StepBatch
+from batch import Staging, StepBatch
 from checkpoints import get_tokenizer, load_checkpoint
 from engine import PlanEntry, Sampler
 from model import GPT, GPTConfig, attend
@@ -45,7 +45,7 @@ class FloorBatch(StepBatch):
         plan = [
             PlanEntry(SimpleNamespace(tokens=[0] * (a + n), num_computed=a, row=0), n) for a, n in zip(starts, lens)
         ]
-        super().__init__(plan, [Sampler(plan[i].sequence, i) for i in entries], torch.device("cpu"))
+        super().__init__(plan, [Sampler(plan[i].sequence, i) for i in entries], Staging(torch.device("cpu")))
         H, D, S = config.n_head, config.n_embd // config.n_head, self.num_one_token
         L = int(self.kv_lens[:S].max()) if S else 0
         self.single = [(torch.randn(S, L, H, D), torch.randn(S, L, H, D)) for _ in range(config.n_layer)]
@@ -55,8 +55,8 @@ class FloorBatch(StepBatch):
             if i >= S and starts[i] > 0
         }
 
-    def host_tables(self, plan):
-        return dict(decode_pos=self.kv_lens[: self.num_one_token, None] - 1)
+    def host_tensors(self, plan, samplers):
+        return dict(super().host_tensors(plan, samplers), decode_pos=self.kv_lens[: self.num_one_token, None] - 1)
 
     def store(self, layer, k, v):
         pass
@@ -65,8 +65,8 @@ class FloorBatch(StepBatch):
         k, v = self.single[layer]
         return attend(q[:, None], k, v, self.decode_pos)[:, 0]
 
-    def chunk_kv(self, layer, i):
-        return self.cached[i][layer]
+    def chunk_kv(self, layer, chunk):
+        return self.cached[chunk.entry][layer]
 
 
 class Probe:
@@ -74,7 +74,7 @@ class Probe:
 
     def __init__(self, engine):
         self.host, self.sampling, self.step_start, self.decode_only = [], [], None, False
-        schedule, forward, sample = engine.schedule, engine.model.forward, engine_py.sample_tokens
+        schedule, forward, sample = engine.schedule, engine.model.forward, engine_py.sample
 
         def timed_schedule():
             self.step_start = time.perf_counter()
@@ -87,14 +87,14 @@ class Probe:
                 self.host.append(time.perf_counter() - self.step_start)
             return forward(*args, **kwargs)
 
-        def timed_sample(*args):
+        def timed_sample(*args, **kwargs):
             start = time.perf_counter()
-            tokens = sample(*args)
+            tokens = sample(*args, **kwargs)
             self.sampling.append(time.perf_counter() - start)
             return tokens
 
-        engine.schedule, engine.model.forward, engine_py.sample_tokens = timed_schedule, timed_forward, timed_sample
-        self.restore = lambda: setattr(engine_py, "sample_tokens", sample) or vars(engine.model).pop("forward")
+        engine.schedule, engine.model.forward, engine_py.sample = timed_schedule, timed_forward, timed_sample
+        self.restore = lambda: setattr(engine_py, "sample", sample) or vars(engine.model).pop("forward")
 
 
 def run_engine(model, prompts, news, steps=None, temperature=0.8, probe=False):
