@@ -81,7 +81,7 @@ def test_no_request_is_scheduled_before_its_arrival_and_the_idle_engine_sleeps(m
 
 
 def test_rate_inf_and_no_budget_give_exactly_todays_outputs_and_step_counts(model):
-    """Pinned from the engines before arrivals and budgets existed (commit 9d884e9)."""
+    """Pinned from the engines before arrivals and budgets existed (2026-11-22)."""
     rng = random.Random(11)
     prompts = [[rng.randrange(300) for _ in range(rng.randint(1, 30))] for _ in range(20)]
     news = [rng.randint(1, 20) for _ in prompts]
