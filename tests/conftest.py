@@ -21,12 +21,12 @@ def tiny_gpt(seed=0, block_size=64, vocab_size=300, n_layer=2, n_head=2, n_embd=
     return GPT(config).eval().to(dtype)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def model():
     return tiny_gpt()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def ckpt(tmp_path_factory):
     """A float32 tiny_gpt saved as a nanoGPT checkpoint, for the command line's tests."""
     from test_model import save_nanogpt_ckpt
