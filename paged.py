@@ -211,14 +211,12 @@ class PagedBatch(StepBatch):
             one_token_len=self.kv_lens[:B],
         )
         if self.padded_shape:  # rows past B: token 0 at position 0, written to and read from the padding block
-            B, W = self.padded_shape
-            values = dict(slots=padding * block_size, one_token_table=padding, one_token_len=1)
-            read = {name: pad_to(t, B, W, values.get(name, 0)) for name, t in read.items()}
-        elif self.compiled and B:  # a size of 1 would specialize the compiled graph
-            B = max(B, MIN_COMPILED_SIZE)
-            W = max(read["one_token_table"].shape[1], MIN_COMPILED_SIZE)
-            read["one_token_table"] = pad_to(read["one_token_table"], B, W, padding)
-            read["one_token_len"] = pad_to(read["one_token_len"], B, W, 1)
+            names, (B, W) = list(read), self.padded_shape
+        else:  # a compiled step pads its one-token table alone: a size of 1 would specialize the compiled graph
+            names = ["one_token_table", "one_token_len"] if self.compiled and B else []
+            B, W = max(B, MIN_COMPILED_SIZE), max(read["one_token_table"].shape[1], MIN_COMPILED_SIZE)
+        values = dict(slots=padding * block_size, one_token_table=padding, one_token_len=1)
+        read.update({name: pad_to(read[name], B, W, values.get(name, 0)) for name in names})
         return dict(read, table=table, **host)
 
     def store(self, layer, k, v):

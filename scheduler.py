@@ -226,11 +226,7 @@ class PagedEngine(Engine):
         pool = None
         for shape in sorted(itertools.product(self.graph_batches, self.graph_widths), reverse=True):
             batch = PagedBatch([], [], self.staging, self.k_pool, self.v_pool, self.block_tables, True, shape)
-            side = torch.cuda.Stream()  # warmed up apart, as torch.cuda.graphs asks: compiles and allocates there
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self.forward(batch)
-            torch.cuda.current_stream().wait_stream(side)
+            self.forward(batch)  # warm-up: compiles and allocates outside the capture
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 logits = self.forward(batch)
