@@ -22,18 +22,16 @@ class Chunk(NamedTuple):
 
 class Staging:
     """The device buffer every step's small tensors are copied into, in one copy from one host buffer (pinned
-    on CUDA). A field sits at the same address in every step of the same shape, which a captured graph needs.
-    NOTE: it grows only for a step larger than any before; an engine that captures graphs sizes it first."""
+    on CUDA), both allocated once: a field sits at the same address in every step of the same shape, which a
+    captured graph needs."""
 
-    def __init__(self, device, size=0):
+    def __init__(self, device, size):
         self.host_buffer = torch.zeros(size, dtype=torch.long, pin_memory=device.type == "cuda")
         self.device_buffer = self.host_buffer.to(device)
 
     def load(self, tensors):
         """{name: host tensor} -> {name: a view of the device buffer}."""
         sizes = [t.numel() for t in tensors.values()]
-        if sum(sizes) > len(self.host_buffer):
-            self.__init__(self.device_buffer.device, sum(sizes))
         host = self.host_buffer[: sum(sizes)]
         torch.cat([t.flatten() for t in tensors.values()], out=host)
         device = self.device_buffer[: sum(sizes)]

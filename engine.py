@@ -84,7 +84,8 @@ class Engine:
         self.vocab_size = vocab_size or model.config.vocab_size
         self.num_ids = model.config.vocab_size  # a prompt's ids index the embedding's rows
         self.device = model.lm_head.weight.device
-        self.staging = Staging(self.device)
+        # the largest step: max_batch sequences of a whole context, with block tables of one-token blocks
+        self.staging = Staging(self.device, max_batch * (5 * self.window + 8))
         self.clock = clock or WALL_CLOCK
         prepack(model)  # on a CPU, the linears multiply oneDNN's packed copies of their weights (prepack.py)
         keep_freed_memory()

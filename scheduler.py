@@ -7,7 +7,6 @@ import itertools
 
 import torch
 
-from batch import Staging
 from engine import Engine, PlanEntry
 from paged import BlockAllocator, PagedBatch, allocate_pool, blocks_for, copy_block
 from sequence import SequenceStatus
@@ -60,7 +59,6 @@ class PagedEngine(Engine):
         batches = [b for b in [1, 2, 4, 8, *range(16, self.max_running, 16)] if b < self.max_running]
         self.graph_batches = batches + [self.max_running]
         self.graph_widths = sorted({blocks_for(width, 2**i) for i in range(GRAPH_WIDTHS)})
-        self.staging = Staging(self.device, 4 * token_budget + 2 * max_batch * (width + 2))  # never grows
         self.graphs = {}  # (batch, width) -> (its CUDA graph, the logits it writes)
         if self.compile == "graph" and self.device.type == "cuda":
             self.capture_graphs()

@@ -45,7 +45,7 @@ class FloorBatch(StepBatch):
         plan = [
             PlanEntry(SimpleNamespace(tokens=[0] * (a + n), num_computed=a, row=0), n) for a, n in zip(starts, lens)
         ]
-        super().__init__(plan, [Sampler(plan[i].sequence, i) for i in entries], Staging(torch.device("cpu")))
+        super().__init__(plan, [Sampler(plan[i].sequence, i) for i in entries], Staging(torch.device("cpu"), 1 << 20))
         H, D, S = config.n_head, config.n_embd // config.n_head, self.num_one_token
         L = int(self.kv_lens[:S].max()) if S else 0
         self.single = [(torch.randn(S, L, H, D), torch.randn(S, L, H, D)) for _ in range(config.n_layer)]

@@ -47,7 +47,7 @@ def test_paged_forward_in_bf16_is_as_close_to_float64_as_the_plain_models(model,
     prepack(model)  # the bf16 linears in oneDNN's layout, as generate.py loads a model
 
     def paged_batch(plan, samplers):
-        return PagedBatch(plan, samplers, Staging(torch.device("cpu")), k_pool, v_pool, block_tables, compiled)
+        return PagedBatch(plan, samplers, Staging(torch.device("cpu"), 1 << 16), k_pool, v_pool, block_tables, compiled)
 
     reqs, steps = incremental_logits(model, prompts, 6, paged_batch)
     paged_err = plain_err = 0.0

@@ -54,7 +54,7 @@ def test_cached_decode_equals_full_recompute(model, cache):
     # scattered blocks: request i owns blocks i, i + 8, i + 16, ...; block 64 is padding's
     block_tables = torch.tensor([[i + 8 * j for j in range(8)] for i in range(len(prompts))], dtype=torch.int32)
 
-    staging = Staging(torch.device("cpu"))
+    staging = Staging(torch.device("cpu"), 1 << 16)
 
     def paged_batch(plan, samplers):
         return PagedBatch(plan, samplers, staging, k_pool, v_pool, block_tables, compiled="compiled" in cache)
