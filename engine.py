@@ -241,7 +241,7 @@ class Engine:
         for s, token in sequence_tokens:
             r = s.request
             s.tokens.append(token)
-            if len(s.generated) == r.max_new_tokens or token == r.params.eos:  # its blocks free at once
+            if len(s.tokens) - len(r.prompt) == r.max_new_tokens or token == r.params.eos:  # its blocks free at once
                 self.stop(s, SequenceStatus.DONE)
                 if all(x.status is SequenceStatus.DONE for x in r.sequences):
                     self.finish(r, now)

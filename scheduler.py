@@ -242,7 +242,8 @@ class PagedEngine(Engine):
         super().mark_computed(plan)
         if self.prefix_cache:  # the blocks that just filled join the prefix cache
             for s, n in plan:
-                self.allocator.register_filled(s, s.num_computed - n)
+                if s.num_computed % self.block_size < n:  # a block filled: not so for most decodes
+                    self.allocator.register_filled(s, s.num_computed - n)
 
     def fork_kv(self, parent, child):
         for block in parent.block_table:
