@@ -57,13 +57,13 @@ def run_ours(dtype, prompts, windows):
     import torch.nn.functional as F
 
     from checkpoints import SHIPPED, load_checkpoint
-    from engine import Request
-    from model import prepack
+    from prepack import prepack
     from scheduler import PagedEngine
+    from sequence import Request
 
     model = load_checkpoint(SHIPPED).to(getattr(torch, dtype))
     prepack(model)
-    engine = PagedEngine(model, 64 * 13, vocab_size=model.config.vocab_size)
+    engine = PagedEngine(model, num_blocks=64 * 13, vocab_size=model.config.vocab_size)
     requests = [Request(p, NEW_TOKENS) for p in prompts]
     engine.run(requests)
     total = count = 0

@@ -20,9 +20,10 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from checkpoints import get_tokenizer
-from engine import Request
-from model import GPT, GPTConfig, prepack
+from model import GPT, GPTConfig
+from prepack import prepack
 from scheduler import PagedEngine
+from sequence import Request
 from serving import warm_up, workload
 
 ROWS = {  # name: (n_layer, n_embd, requests, prompt tokens, new tokens)
@@ -55,7 +56,8 @@ def main():
         prompts, news = workload(enc, spec)
         num_blocks = sum(-(-(len(p) + n - 1) // 16) for p, n in zip(prompts, news))
         engines = {
-            mode: PagedEngine(model, num_blocks, max_batch=64, vocab_size=50257, compile=mode) for mode in ("off", "on")
+            mode: PagedEngine(model, num_blocks=num_blocks, max_batch=64, vocab_size=50257, compile=mode)
+            for mode in ("off", "on")
         }
         start = time.time()
         warm_up(engines["on"], len(prompts))
@@ -65,7 +67,7 @@ def main():
         speeds, outputs = {"off": [], "on": []}, {}
         for _ in range(args.repeats):
             for mode in ("off", "on"):
-                engine = PagedEngine(model, num_blocks, max_batch=64, vocab_size=50257, compile=mode)
+                engine = PagedEngine(model, num_blocks=num_blocks, max_batch=64, vocab_size=50257, compile=mode)
                 requests = [Request(p, n) for p, n in zip(prompts, news)]
                 start = time.perf_counter()
                 engine.run(requests)

@@ -30,9 +30,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import engine as engine_py
 from batch import StepBatch
 from checkpoints import get_tokenizer, load_checkpoint
-from engine import PlanEntry, Request, Sampler
-from model import GPT, GPTConfig, attend, prepack
+from engine import PlanEntry, Sampler
+from model import GPT, GPTConfig, attend
+from prepack import prepack
 from scheduler import PagedEngine
+from sequence import Request, SamplingParams
 from serving import workload
 
 
@@ -98,8 +100,10 @@ class Probe:
 def run_engine(model, prompts, news, steps=None, temperature=0.8, probe=False):
     """Serve the workload as `generate.py --paged` does -> seconds (and the Probe); appends (starts, lens,
     samplers) of each step to `steps`."""
-    requests = [Request(p, n, temperature, 200, seed=1337 + i) for i, (p, n) in enumerate(zip(prompts, news))]
-    engine = PagedEngine(model, sum(-(-(len(p) + n - 1) // 16) for p, n in zip(prompts, news)))
+    requests = [
+        Request(p, n, SamplingParams(temperature, 200, seed=1337 + i)) for i, (p, n) in enumerate(zip(prompts, news))
+    ]
+    engine = PagedEngine(model, num_blocks=sum(-(-(len(p) + n - 1) // 16) for p, n in zip(prompts, news)))
     make_batch = engine.make_batch
 
     def record(plan, samplers):

@@ -25,11 +25,11 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from checkpoints import get_tokenizer, load_checkpoint
-from engine import Request
 from generate import check_image_name, fail, number_type, prepare_output, span
 from metrics import Meter
-from model import prepack
+from prepack import prepack
 from scheduler import PagedEngine
+from sequence import Request, SamplingParams
 from serving import workload
 
 
@@ -38,7 +38,7 @@ def run(model, requests, vocab_size, width):
     num_blocks = sum(-(-(len(r.prompt) + r.max_new_tokens - 1) // 16) for r in requests) * width
     engine = PagedEngine(
         model,
-        num_blocks,
+        num_blocks=num_blocks,
         max_batch=len(requests) * width,
         token_budget=4096,
         prefix_cache=False,
@@ -115,16 +115,19 @@ def main(argv=None):
     model(torch.tensor([[1]]))  # one-time setup out of the first run's time
     for kind, width in [("samples", 2), ("samples", 4), ("samples", 6), ("beams", 2), ("beams", 4), ("beams", 6)]:
         if kind == "samples":
-            requests = [Request(pr, m, 0.8, 200, seed=100 * i, n=width) for i, (pr, m) in enumerate(zip(prompts, news))]
+            requests = [
+                Request(pr, m, SamplingParams(0.8, 200, seed=100 * i, n=width))
+                for i, (pr, m) in enumerate(zip(prompts, news))
+            ]
         else:
-            requests = [Request(pr, m, num_beams=width) for pr, m in zip(prompts, news)]
+            requests = [Request(pr, m, SamplingParams(num_beams=width)) for pr, m in zip(prompts, news)]
         seconds, shared, private = run(model, requests, enc.n_vocab, width)
         returned = width if kind == "samples" else 1
         tok_s = sum(news) * returned / seconds
         separate = ""
         if kind == "samples":  # the same samples as separate requests: n prefills, nothing shared
             alone = [
-                Request(pr, m, 0.8, 200, seed=100 * i + j)
+                Request(pr, m, SamplingParams(0.8, 200, seed=100 * i + j))
                 for i, (pr, m) in enumerate(zip(prompts, news))
                 for j in range(width)
             ]

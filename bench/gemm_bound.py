@@ -31,7 +31,7 @@ def mm_gflops(dtype, n=4096, repeats=5):
     On an AMD CPU torch.mm's float32 path (MKL) runs well below oneDNN's, so the engine's own call is the
     fairer ceiling there."""
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from model import Linear, prepack
+    from prepack import Linear, prepack
 
     a, linear = torch.randn(n, n, dtype=dtype), Linear(n, n, bias=False).to(dtype).eval()
     prepack(linear)

@@ -25,9 +25,10 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from checkpoints import get_tokenizer
-from engine import Request
-from model import GPT, GPTConfig, prepack
+from model import GPT, GPTConfig
+from prepack import prepack
 from scheduler import PagedEngine
+from sequence import Request, SamplingParams
 from serving import workload
 
 SHAPES = {"tiny": (4, 4, 128), "gpt2": (12, 12, 768)}  # n_layer, n_head, n_embd
@@ -54,10 +55,12 @@ TORCH_TOPK = torch.Tensor.topk
 def run(model, prompts, news, temperature, two_level=False):
     """-> (output tok/s, median ms per sample() call, the outputs)"""
     requests = [
-        Request(p, n, temperature, 200 if temperature else None, seed=1337 + i)
+        Request(p, n, SamplingParams(temperature, 200 if temperature else None, seed=1337 + i))
         for i, (p, n) in enumerate(zip(prompts, news))
     ]
-    engine = PagedEngine(model, sum(-(-(len(p) + n - 1) // 16) for p, n in zip(prompts, news)), vocab_size=50257)
+    engine = PagedEngine(
+        model, num_blocks=sum(-(-(len(p) + n - 1) // 16) for p, n in zip(prompts, news)), vocab_size=50257
+    )
     sample, times = engine.sample, []
 
     def timed_sample(*args):

@@ -99,10 +99,10 @@ def run_ours(job):
     import torch
 
     from checkpoints import load_checkpoint
-    from engine import Request
-    from model import prepack
     from paged import blocks_for
+    from prepack import prepack
     from scheduler import PagedEngine
+    from sequence import Request, SamplingParams
 
     model = load_checkpoint(job["folder"]).to(getattr(torch, job["dtype"]))
     prepack(model)
@@ -111,11 +111,11 @@ def run_ours(job):
     def serve(prompts, new_tokens):
         num_blocks = sum(blocks_for(len(p) + new_tokens, 16) for p in prompts) * width
         # vLLM's LLM class on a CPU schedules up to 4,096 tokens a step (max_num_batched_tokens): ours the same
-        engine = PagedEngine(model, num_blocks, token_budget=4096, max_batch=64 * width, vocab_size=50257)
+        engine = PagedEngine(model, num_blocks=num_blocks, token_budget=4096, max_batch=64 * width, vocab_size=50257)
         requests = [
-            Request(p, new_tokens, num_beams=job["beams"])
+            Request(p, new_tokens, SamplingParams(num_beams=job["beams"]))
             if job["samples"] == 1
-            else Request(p, new_tokens, 0.8, 200, seed=1000 * i, n=job["samples"])
+            else Request(p, new_tokens, SamplingParams(0.8, 200, seed=1000 * i, n=job["samples"]))
             for i, p in enumerate(prompts)
         ]
         for r in requests:
