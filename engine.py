@@ -49,7 +49,13 @@ class Observer:
     def admitted(self, group):  # sequences admitted to run, each with num_computed cached tokens
         pass
 
-    def preempted(self, sequence):  # a sequence let go of its blocks, to be recomputed
+    def preempted(self, sequence):  # a sequence let go of its blocks: its K/V in the swap space, or to be recomputed
+        pass
+
+    def swapping(self):  # a copy between the pool and the swap space starts
+        pass
+
+    def swapped_in(self, sequence, num_blocks):  # its K/V are back in the pool: num_blocks copied, the rest cached
         pass
 
     def copied(self, block):  # a block copied on write, now held by the sequence that writes it

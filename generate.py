@@ -141,6 +141,19 @@ def parser():
     )
     p.add_argument("--no-prefix-cache", action="store_true", help="paged without sharing prompt blocks")
     p.add_argument(
+        "--preemption",
+        choices=["recompute", "swap"],
+        default="recompute",
+        help="what a paged preemption does with the victim's K/V: drop them, to recompute them when it comes back, "
+        "or copy them to a swap space in host memory and back (blocks it shares with running sequences stay)",
+    )
+    p.add_argument(
+        "--swap-blocks",
+        type=number_type(0),
+        default=0,
+        help="blocks of the swap space, each of --block-size tokens, for --preemption swap",
+    )
+    p.add_argument(
         "--compile",
         choices=["auto", "on", "off", "graph"],
         default="auto",
@@ -189,6 +202,8 @@ def parse_args(argv=None):
         ("--num-blocks", args.num_blocks, "no --kv-budget", not args.kv_budget),
         ("--length-penalty", args.length_penalty != 1, "--num-beams", args.num_beams > 1),
         ("--pool-map", args.pool_map, "--paged, without --compare", args.paged and not args.compare),
+        ("--preemption swap", args.preemption == "swap", "--swap-blocks N", args.swap_blocks),
+        ("--swap-blocks", args.swap_blocks, "--preemption swap", args.preemption == "swap"),
     ]:
         if value and not present:
             fail(f"{flag} needs {needs}")
@@ -384,6 +399,14 @@ def report(args, kinds, texts, prompts, results, enc):
                 "float64; same_prefix_pct is how much of each output agrees before it parts "
                 "(docs/bf16.md#comparisons-in-bf16)"
             )
+    for point in results.sweep:  # never silently: swap that fell back to recomputing says so, in one line
+        for kind, m in point["runs"].items():
+            if m.get("swap_fallbacks"):
+                at = f" at {point['request_rate']:g} requests/s" if args.sweep_rates else ""
+                print(
+                    f"{LABELS[kind]}{at}: {m['swap_fallbacks']} preempted sequences were recomputed instead of swapped: "
+                    f"the swap space of {m['swap_blocks']} blocks could not take them, or held the queue's head out"
+                )
     if args.json:
         if args.sweep_rates:
             out = {"sweep": results.sweep}

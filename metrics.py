@@ -15,7 +15,8 @@ from sequence import SequenceStatus
 class Meter(Observer):
     """What the experiments read of an engine, heard from it as one of its observers (the engine keeps no
     measurements): each step's seconds (plan to sampled tokens), running sequences, keys attended and KV
-    slots; prefill tokens; admitted and prefix-cached tokens; preemptions."""
+    slots; prefill tokens; admitted and prefix-cached tokens; preemptions; blocks swapped out and in, and the
+    seconds their copies took; tokens whose K/V were computed again, and their share of their steps' seconds."""
 
     def __init__(self, engine):
         self.engine = engine
@@ -25,24 +26,59 @@ class Meter(Observer):
         self.admitted_tokens = 0
         self.cached_tokens = 0  # of the admitted: found in the prefix cache
         self.num_preemptions = 0
+        self.swap_start = None
+        self.swapped_out_blocks = self.swapped_in_blocks = 0
+        self.swap_out_s = self.swap_in_s = 0.0
+        self.swap_fallbacks = 0  # preempted sequences recomputed though the engine swaps: its swap space was full
+        self.swapped_in_now = set()  # swapped in, about to be admitted: not prefix-cache lookups
+        self.computed = {}  # sequence -> the most tokens whose K/V it has had at the end of a step
+        self.recomputed_tokens = 0
+        self.step_share = 0.0
+        self.recompute_s = 0.0  # each step's seconds shared among its tokens: an estimate
         engine.observers.append(self)
 
     def planned(self, plan):
         self.step_start = self.engine.clock.now()
         self.prefill_tokens += sum(n for s, n in plan if s.status is SequenceStatus.PREFILLING)
+        again = [min(s.num_computed + n, self.computed.get(s, 0)) - s.num_computed for s, n in plan]
+        again = sum(max(0, a) for a in again)
+        self.recomputed_tokens += again
+        self.step_share = again / sum(n for _, n in plan)
 
     def sampled(self, plan):
         engine = self.engine
         keys = sum(s.num_computed for s, _ in plan)
         seconds = engine.clock.now() - self.step_start
+        self.recompute_s += seconds * self.step_share
         self.steps.append(dict(seconds=seconds, running=len(engine.running), keys=keys, **kv_slots(engine)))
 
+    def stepped(self):
+        for s in self.engine.running:
+            self.computed[s] = max(self.computed.get(s, 0), s.num_computed)
+
     def admitted(self, group):
-        self.admitted_tokens += sum(len(x.tokens) for x in group)
-        self.cached_tokens += sum(x.num_computed for x in group)
+        looked_up = [x for x in group if x not in self.swapped_in_now]
+        self.admitted_tokens += sum(len(x.tokens) for x in looked_up)
+        self.cached_tokens += sum(x.num_computed for x in looked_up)
+        self.swapped_in_now = set()
+
+    def swapping(self):
+        self.swap_start = self.engine.clock.now()
 
     def preempted(self, sequence):
         self.num_preemptions += 1
+        if self.swap_start is not None:  # its K/V went to the swap space since swapping()
+            self.swapped_out_blocks += len(sequence.swapped)
+            self.swap_out_s += self.engine.clock.now() - self.swap_start
+        elif self.engine.swap_space.numel():  # the swap space could not take its group
+            self.swap_fallbacks += 1
+        self.swap_start = None
+
+    def swapped_in(self, sequence, num_blocks):
+        self.swapped_in_blocks += num_blocks
+        self.swap_in_s += self.engine.clock.now() - self.swap_start
+        self.swap_start = None
+        self.swapped_in_now.add(sequence)
 
 
 def kv_slots(engine):
@@ -96,6 +132,14 @@ TABLE_KEYS = [
     "prefill_tokens",
     "prefix_hit_rate",
     "preemptions",
+    "swapped_out_blocks",
+    "swapped_in_blocks",
+    "swap_mb",
+    "swap_out_ms",
+    "swap_in_ms",
+    "swap_fallbacks",
+    "recomputed_tokens",
+    "recompute_ms",
     "running_peak",
     "running_mean",
     "kv_budget_slots",
@@ -144,6 +188,8 @@ def metrics(meter, wall_s, rate, kv_budget):
         steps=len(stats),
         prefill_tokens=meter.prefill_tokens,
         preemptions=meter.num_preemptions,
+        recomputed_tokens=meter.recomputed_tokens,
+        recompute_ms=meter.recompute_s * 1000,  # estimated: each step's time shared among its tokens
         running_peak=max(s["running"] for s in stats),
         running_mean=mean(s["running"] for s in stats),
         kv_budget_slots=kv_budget,
@@ -160,6 +206,15 @@ def metrics(meter, wall_s, rate, kv_budget):
             num_blocks=engine.allocator.num_blocks,
             block_size=engine.block_size,
             prefix_hit_rate=meter.cached_tokens / max(1, meter.admitted_tokens),
+            preemption="swap" if engine.swap_space.numel() else "recompute",
+            swap_blocks=engine.swap_space.shape[2],
+            swapped_out_blocks=meter.swapped_out_blocks,
+            swapped_in_blocks=meter.swapped_in_blocks,
+            # both ways; a block is its K and V in every layer
+            swap_mb=(meter.swapped_out_blocks + meter.swapped_in_blocks) * engine.kv_pool[:, :, 0].nbytes / 2**20,
+            swap_out_ms=meter.swap_out_s * 1000,
+            swap_in_ms=meter.swap_in_s * 1000,
+            swap_fallbacks=meter.swap_fallbacks,
         )
     return m
 

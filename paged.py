@@ -115,18 +115,12 @@ class BlockAllocator:
             self.register(s.block_table[k], self.block_hash(s, k), self.block_tokens(s, k))
 
 
-def allocate_pool(config, num_blocks, block_size, device, dtype):
-    """k_pool, v_pool: (n_layer, num_blocks + 1, block_size, n_head, head_size), the last block padding's."""
+def allocate_pool(config, num_blocks, block_size, device, dtype, pin_memory=False):
+    """k_pool and v_pool in one tensor: (2, n_layer, num_blocks + 1, block_size, n_head, head_size), the last
+    block padding's. One indexed copy moves blocks of both, in every layer."""
     head_size = config.n_embd // config.n_head
-    shape = (config.n_layer, num_blocks + 1, block_size, config.n_head, head_size)
-    k_pool = torch.zeros(shape, device=device, dtype=dtype)
-    return k_pool, torch.zeros_like(k_pool)
-
-
-def copy_block(k_pool, v_pool, src, dst):
-    """Copy-on-write: block src's K/V into block dst, in every layer."""
-    k_pool[:, dst] = k_pool[:, src]
-    v_pool[:, dst] = v_pool[:, src]
+    shape = (2, config.n_layer, num_blocks + 1, block_size, config.n_head, head_size)
+    return torch.zeros(shape, device=device, dtype=dtype, pin_memory=pin_memory)
 
 
 def write_kv(k_pool, v_pool, slots, k, v):

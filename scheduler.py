@@ -1,14 +1,15 @@
 """The paged engine's policy: what each step runs, who is admitted, and who is preempted. A step takes every
 decoding sequence's next token, then prefill chunks of admitted sequences, then newly admitted ones, up to
 token_budget tokens in all. Admission waits until free blocks cover a sequence (backpressure); a full pool
-preempts the newest sequence, to be recomputed. K/V live in the block pool (paged.py)."""
+preempts the newest sequence, to be recomputed, or swapped out to a swap space in host memory and back in.
+K/V live in the block pool (paged.py)."""
 
 import itertools
 
 import torch
 
 from engine import Engine, PlanEntry
-from paged import BlockAllocator, PagedBatch, allocate_pool, blocks_for, copy_block
+from paged import BlockAllocator, PagedBatch, allocate_pool, blocks_for
 from sequence import SequenceStatus
 
 # compile "auto" on a CPU: compiled decode attention from this many rows, as fast or faster (docs/compile.md)
@@ -16,6 +17,7 @@ COMPILE_FROM_ROWS = 16
 # one block in every WATERMARK_EVERY is kept free at admission, for running sequences to grow: 1%, as vLLM V0's
 # BlockSpaceManager(watermark=0.01)
 WATERMARK_EVERY = 100
+COMPILE_MODES = ("auto", "on", "off", "graph")
 # compile "graph": decode steps are captured at this many widths (blocks read per row), halving from the longest
 GRAPH_WIDTHS = 4
 
@@ -34,20 +36,20 @@ class PagedEngine(Engine):
         max_batch=64,
         prefix_cache=True,
         compile="auto",
+        swap_blocks=0,
         **kw,
     ):
         super().__init__(model, max_batch=max_batch, **kw)  # and vocab_size, clock
-        if min(block_size, token_budget, num_blocks) < 1 or compile not in ("auto", "on", "off", "graph"):
+        if min(block_size, token_budget, num_blocks, swap_blocks + 1) < 1 or compile not in COMPILE_MODES:
             why = f"block_size {block_size}, token_budget {token_budget}, num_blocks {num_blocks} must be >= 1"
-            raise ValueError(f"{why}, compile {compile!r} auto, on, off or graph")
+            raise ValueError(f"{why}, swap_blocks {swap_blocks} >= 0, compile {compile!r} one of {COMPILE_MODES}")
         self.block_size = block_size
         self.token_budget = token_budget
         self.prefix_cache = prefix_cache
         self.compile = "graph" if compile == "auto" and self.device.type == "cuda" else compile
         self.allocator = BlockAllocator(num_blocks, block_size)
-        self.k_pool, self.v_pool = allocate_pool(
-            model.config, num_blocks, block_size, self.device, model.lm_head.weight.dtype
-        )
+        self.kv_pool = allocate_pool(model.config, num_blocks, block_size, self.device, model.lm_head.weight.dtype)
+        self.k_pool, self.v_pool = self.kv_pool
         # auto: compiled decode attention on a GPU, and on a CPU from COMPILE_FROM_ROWS rows
         self.compile_from = 1 if compile == "on" or self.k_pool.is_cuda else COMPILE_FROM_ROWS
         self.max_running = min(max_batch, token_budget)  # so every decoding sequence fits in a step
@@ -55,6 +57,12 @@ class PagedEngine(Engine):
         # each running sequence's block table in its row, updated as it grows: no step rebuilds one from a list
         width = blocks_for(self.window, block_size)
         self.block_tables = torch.full((max_batch, width), num_blocks, dtype=torch.int32)  # num_blocks: padding
+        # preemption swaps K/V out to swap_blocks blocks of the pool's shape in host memory (- 1: no padding block),
+        # pinned on a GPU for fast copies; with none, it drops them, to be recomputed
+        self.swap_space = allocate_pool(
+            model.config, swap_blocks - 1, block_size, "cpu", self.kv_pool.dtype, self.kv_pool.is_cuda
+        )
+        self.free_swap = list(range(swap_blocks))  # a stack, as the allocator's clean blocks
         # the shapes of padded decode steps: batch buckets 1, 2, 4, 8, then steps of 16, and halving widths
         batches = [b for b in [1, 2, 4, 8, *range(16, self.max_running, 16)] if b < self.max_running]
         self.graph_batches = batches + [self.max_running]
@@ -119,8 +127,7 @@ class PagedEngine(Engine):
         allocate evicts it) -> whether s still runs."""
         while not self.allocator.can_allocate(1):
             victims = self.beam_group(self.running[-1], self.running)  # a beam needs all its group to step
-            for victim in reversed(victims):
-                self.preempt(victim)
+            self.preempt(victims)
             if s in victims:
                 return False
         return True
@@ -134,17 +141,41 @@ class PagedEngine(Engine):
     def copy_on_write(self, s, k, block):
         """s's block k is shared: copy its K/V into `block`, which s holds alone from now on."""
         shared = s.block_table[k]
-        copy_block(self.k_pool, self.v_pool, shared, block)
+        self.kv_pool[:, :, block] = self.kv_pool[:, :, shared]
         self.allocator.free([shared])
         s.block_table[k] = block
         self.notify("copied", block)
 
-    def preempt(self, s):
-        """Free s's blocks (hashed ones stay cached) and requeue it first, to recompute its K/V when readmitted."""
-        self.stop(s, SequenceStatus.WAITING)
-        s.num_computed = 0
-        self.waiting.appendleft(s)
-        self.notify("preempted", s)
+    def preempt(self, group):
+        """Stop the group and requeue it first, each sequence's K/V copied to the swap space in one indexed copy,
+        or, with no swap space or one that cannot take them all, dropped (hashed blocks stay cached), to be
+        recomputed when readmitted. Blocks it shares with others stay where they are, with them."""
+        for s in group:  # a beam that held its logprobs computes its last token again, for them
+            s.num_computed = min(s.num_computed, len(s.tokens) - 1)
+        bs = self.block_size
+        swap = sum(blocks_for(s.num_computed, bs) for s in group) <= len(self.free_swap)  # else they drop their K/V
+        for s in reversed(group):
+            if swap:
+                self.notify("swapping")
+                s.swapped = [self.free_swap.pop() for _ in range(blocks_for(s.num_computed, bs))]
+                self.swap_space[:, :, s.swapped] = self.kv_pool[:, :, s.block_table[: len(s.swapped)]].cpu()
+            else:
+                s.num_computed = 0
+            self.stop(s, SequenceStatus.WAITING)
+            self.waiting.appendleft(s)
+            self.notify("preempted", s)
+
+    def swap_in(self, s, cached):
+        """s's K/V back from the swap space into new blocks, in one indexed copy, after its prefix-cache hits
+        (already shared: blocks it shared before it was swapped out, if they are still cached) -> its blocks."""
+        rest = s.swapped[len(cached) :]
+        blocks = self.allocator.allocate(len(rest))
+        self.notify("swapping")
+        self.kv_pool[:, :, blocks] = self.swap_space[:, :, rest].to(self.device)
+        self.free_swap += s.swapped
+        s.swapped = []
+        self.notify("swapped_in", s, len(blocks))
+        return cached + blocks
 
     def admit_next(self):
         """Admit the head of the waiting queue, with its beam group, if rows and blocks allow -> the admitted,
@@ -196,10 +227,13 @@ class PagedEngine(Engine):
         return False
 
     def admit(self, s, cached):
-        """s starts with the cached blocks heading its tokens, already shared, and new blocks for the rest."""
+        """s starts with the cached blocks heading its tokens, already shared, then, if it was swapped out, the
+        rest of its K/V copied back, and new blocks for the rest of its tokens."""
+        s.num_computed = max(s.num_computed, len(cached) * self.block_size)  # swapped out, it kept its count
+        if s.swapped:
+            cached = self.swap_in(s, cached)
         num_new = blocks_for(len(s.tokens), self.block_size) - len(cached)
         s.block_table = cached + self.allocator.allocate(num_new)
-        s.num_computed = len(cached) * self.block_size
         self.start(s)
         self.block_tables[s.row, : len(s.block_table)] = torch.tensor(s.block_table)  # int64 ids, stored as int32
 

@@ -30,7 +30,7 @@ class RequestStatus(Enum):
 
 
 class SequenceStatus(Enum):
-    WAITING = "waiting"  # not admitted yet, or preempted: its K/V are recomputed when admitted
+    WAITING = "waiting"  # not admitted yet, or preempted: its K/V swapped out, or recomputed when admitted
     PREFILLING = "prefilling"
     DECODING = "decoding"
     DONE = "done"
@@ -67,7 +67,8 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.row = None  # while running: its row in the engine's per-sequence tensors
         self.block_table = []  # physical block of each logical block
-        self.num_computed = 0  # tokens whose K/V are in the cache
+        self.num_computed = 0  # tokens whose K/V are in the cache (while waiting: in the swap space)
+        self.swapped = []  # while swapped out: the swap space's block that holds each of its logical blocks
         self.block_hashes = []  # chained hash of each full block of tokens, computed once each
         self.score = 0.0  # a beam's summed log-probability
         self.logprobs = None  # a beam's next-token log-probabilities, held until every beam of its group has its own

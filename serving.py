@@ -88,6 +88,7 @@ def make_engine(model, kind, args, prompts, news, vocab_size):
         **sizes,
         prefix_cache=kind == "paged_prefix",
         compile=args.compile,
+        swap_blocks=args.swap_blocks,  # parse_args: none unless --preemption swap
         vocab_size=vocab_size,
     )
     if engine.graphs:

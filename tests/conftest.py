@@ -45,7 +45,8 @@ def make_requests(prompts, news, temperature=0.0, top_k=None):
 
 def check_invariants(engine):
     """Every block is exactly one of: clean, cached (free with a hash), or held by as many block
-    tables as its reference count says; each running sequence's block table covers its K/V."""
+    tables as its reference count says; each running sequence's block table covers its K/V, and each
+    swapped-out sequence's blocks in the swap space cover its K/V (check_swap_space)."""
     alloc = engine.allocator
     holders = [0] * alloc.num_blocks
     for r in engine.running:
@@ -54,7 +55,12 @@ def check_invariants(engine):
         for block in r.block_table:
             holders[block] += 1
     for r in engine.waiting:
+        if r.swapped:  # swapped out: its K/V are in the swap space, and it holds no block of the pool
+            assert len(r.swapped) == -(-r.num_computed // engine.block_size), "the swap space does not hold its K/V"
+            assert not r.block_table and r.row is None, "a swapped-out sequence holds blocks or a row"
+            continue
         assert not r.block_table and r.num_computed == 0 and r.row is None, "a waiting request holds blocks or a row"
+    check_swap_space(engine)
     rows = [r.row for r in engine.running]
     assert sorted(rows + engine.free_rows) == list(range(engine.max_batch)), "a row is lost or held twice"
     for r in engine.running:  # the persistent table mirrors each block table, and never names padding's block
@@ -75,6 +81,18 @@ def check_invariants(engine):
     bs = engine.block_size  # slots holding K/V, each counted once however many sequences share its block
     written = {(r.block_table[p // bs], p % bs) for r in engine.running for p in range(r.num_computed)}
     assert kv_slots(engine)["used"] == len(written)
+
+
+def check_swap_space(engine):
+    """Every block of the swap space is free exactly once or held by exactly one swapped-out sequence, and none
+    leaks; running sequences hold none."""
+    held = [block for r in engine.waiting for block in r.swapped]
+    assert not any(r.swapped for r in engine.running), "a running sequence holds swap blocks"
+    assert len(set(held)) == len(held), "a swap block is held twice"
+    free = engine.free_swap
+    assert len(set(free)) == len(free), "a swap block is free twice"
+    assert not set(free) & set(held), "a swap block is free and held"
+    assert len(free) + len(held) == engine.swap_space.shape[2], "a swap block leaked"
 
 
 def check_writes(engine):

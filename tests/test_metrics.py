@@ -105,6 +105,8 @@ def test_every_figure_equals_its_value_worked_out_by_hand_on_a_fake_clock(model,
         steps=3,
         prefill_tokens=4 + 2 + 3,
         preemptions=0,
+        recomputed_tokens=0,
+        recompute_ms=0,
         running_peak=2,
         running_mean=2,
         kv_budget_slots=None,
@@ -117,5 +119,6 @@ def test_every_figure_equals_its_value_worked_out_by_hand_on_a_fake_clock(model,
     else:  # blocks: a 1, b 1 (8 slots for 6); a 2, c 1 (12 for 5 + 3); a 2, c 1 (12 for 6 + 4)
         want.update(kv_used_pct_mean=100 * (6 / 8 + 8 / 12 + 10 / 12) / 3, kv_slots_allocated_peak=12)
         want.update(kv_slots_used_peak=8, kv_waste_pct=100 * 4 / 12, kv_ahead_pct=0, prefix_hit_rate=0)
-        want.update(num_blocks=16, block_size=4)
+        want.update(num_blocks=16, block_size=4, preemption="recompute", swap_blocks=0, swap_fallbacks=0)
+        want.update(swapped_out_blocks=0, swapped_in_blocks=0, swap_mb=0, swap_out_ms=0, swap_in_ms=0)
     assert metrics(engine.meter, clock.t, float("inf"), None) == pytest.approx(want)
