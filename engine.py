@@ -32,36 +32,6 @@ class Sampler(NamedTuple):
     entry: int
 
 
-class Observer:
-    """What an engine tells its observers (metrics.Meter, plots.PoolMap). A step's schedule() admits,
-    preempts and copies on write; then come planned, sampled and stepped. A subclass overrides what it needs;
-    the engine itself keeps no measurements."""
-
-    def planned(self, plan):  # the step's plan, before the forward
-        pass
-
-    def sampled(self, plan):  # the step's tokens are on the host
-        pass
-
-    def stepped(self):  # the step's bookkeeping is done
-        pass
-
-    def admitted(self, group):  # sequences admitted to run, each with num_computed cached tokens
-        pass
-
-    def preempted(self, sequence):  # a sequence let go of its blocks: its K/V in the swap space, or to be recomputed
-        pass
-
-    def swapping(self):  # a copy between the pool and the swap space starts
-        pass
-
-    def swapped_in(self, sequence, num_blocks):  # its K/V are back in the pool: num_blocks copied, the rest cached
-        pass
-
-    def copied(self, block):  # a block copied on write, now held by the sequence that writes it
-        pass
-
-
 WALL_CLOCK = SimpleNamespace(now=time.perf_counter, sleep=time.sleep)  # the harness sleeps; tests swap in fakes
 
 
@@ -108,7 +78,7 @@ class Engine:
         self.temperature = torch.zeros(max_batch, device=self.device)
         self.top_k, self.seed = torch.zeros(2, max_batch, dtype=torch.long, device=self.device)
 
-    def notify(self, event, *args):
+    def notify(self, event, *args):  # each observer is an observer.Observer: it has a method for every event
         for observer in self.observers:
             getattr(observer, event)(*args)
 

@@ -6,7 +6,7 @@ import math
 import numpy as np
 
 from contiguous import ContiguousEngine
-from engine import Observer
+from observer import Observer
 from paged import blocks_for
 from scheduler import PagedEngine
 from sequence import SequenceStatus

@@ -6,8 +6,8 @@ from conftest import run_engine
 
 import generate
 from contiguous import ContiguousEngine
-from engine import Observer
 from metrics import Meter, cell, metrics, percentile
+from observer import Observer
 from scheduler import PagedEngine
 from sequence import Request
 

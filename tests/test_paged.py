@@ -128,7 +128,7 @@ def random_workload(seed, n, max_prompt=30, max_new=25, vocab=300):
 def test_paged_equals_contiguous_token_for_token(model, block_size, token_budget, temperature, top_k):
     """Mixed prompt lengths, arrivals at different steps, and budgets smaller than a prompt, so prefill
     is chunked across steps while others decode."""
-    from engine import Observer
+    from observer import Observer
     from sequence import SequenceStatus
 
     class MixedSteps(Observer):  # steps where a prompt's chunk, short of its prompt, runs beside a decode

@@ -149,7 +149,7 @@ def test_a_request_is_refused_when_added_twice_or_after_it_finished(model):
 def test_preemption_takes_the_newest_so_the_oldest_always_progresses(model):
     """Under a pool that preempts, every victim is the newest of the running sequences, counted by when each
     (re)started: the oldest is let go last (vLLM's order; docs/design.md)."""
-    from engine import Observer
+    from observer import Observer
 
     class StartOrder(Observer):
         def __init__(self, engine):

@@ -12,7 +12,7 @@ from test_fork import reference_beam_search, samples_as_separate_requests
 from test_robust import workloads
 
 import generate
-from engine import Observer
+from observer import Observer
 from scheduler import PagedEngine
 from sequence import Request, SamplingParams
 

@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bench.archive.compile_step import fmt
 from bench.vllm_compare import WORKLOADS, cpu_line, export, parse, prompts_for
 from checkpoints import load_checkpoint
-from engine import Observer
+from observer import Observer
 from paged import blocks_for
 from prepack import prepack
 from scheduler import PagedEngine
