@@ -3,10 +3,10 @@ eager against its captured CUDA graph, the host side of a step, and end to end a
 generate with a static cache (compiled, CUDA graphs) and a dynamic one. GPT-2 small's shape (12 x 768,
 vocabulary 50,257), random weights, bf16, greedy.
 
-    python bench/gpu.py [--out docs/gpu.md] [--sections attention,step,host,e2e,hf_equal]
+    python bench/gpu.py [--out out/gpu.md] [--sections tests,step,e2e,attention,hf_equal,host]
 
 Writes its tables to --out as it goes (a run cut short keeps what it measured). Needs transformers for e2e and
-hf_equal. The CUDA tests are apart: python -m pytest -q tests -k cuda
+hf_equal. The tests section runs the suite's CUDA tests first: python -m pytest -q tests -k cuda
 """
 
 import argparse
@@ -14,6 +14,7 @@ import functools
 import os
 import random
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -286,7 +287,7 @@ def hf_equal(out):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="out/gpu.md")
-    p.add_argument("--sections", default="step,e2e,attention,hf_equal,host")
+    p.add_argument("--sections", default="tests,step,e2e,attention,hf_equal,host")
     args = p.parse_args()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     sections = args.sections.split(",")
@@ -306,6 +307,14 @@ def main():
             say("```\n" + traceback.format_exc() + "```", args.out)
 
 
+def cuda_tests(out, bandwidth):
+    """The test suite's CUDA tests, their summary line."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests", "-k", "cuda"]
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    lines = subprocess.run(cmd, check=False, cwd=root, capture_output=True, text=True).stdout.strip().splitlines()
+    say(f"$ python -m pytest -q tests -k cuda\n{lines[-1] if lines else '(no output)'}", out)
+
+
 def host_table(out, bandwidth):
     from bench.host_step import host_step_ms
 
@@ -316,6 +325,7 @@ def host_table(out, bandwidth):
 
 
 TITLES = dict(
+    tests="The CUDA tests",
     attention="Decode attention, one layer",
     step="One decode step, eager against its CUDA graph",
     e2e="End to end: 256 requests, prompts 16-512, 16-256 new, bf16, greedy",
@@ -323,6 +333,7 @@ TITLES = dict(
     host="The host side of a step, 256 sequences (bench/host_step.py)",
 )
 SECTIONS = dict(
+    tests=cuda_tests,
     attention=lambda out, bandwidth: attention_table(out),
     step=step_table,
     e2e=lambda out, bandwidth: e2e_table(out),
