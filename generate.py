@@ -455,7 +455,7 @@ def report(args, kinds, texts, prompts, results, enc):
                 at = f" at {point['request_rate']:g} requests/s" if args.sweep_rates else ""
                 print(
                     f"{LABELS[kind]}{at}: {m['swap_fallbacks']} preempted sequences were recomputed instead of swapped: "
-                    f"the swap space of {m['swap_blocks']} blocks could not take them, or held the queue's head out"
+                    f"the swap space of {m['swap_blocks']} blocks could not take their group"
                 )
     if args.json:
         if args.sweep_rates:
@@ -477,55 +477,52 @@ def report(args, kinds, texts, prompts, results, enc):
 
 
 def run_sweep(model, enc, args):
-    """--sweep-block-sizes or --sweep-preemption: the runs, their table, JSON and plot."""
+    """--sweep-block-sizes or --sweep-preemption: the runs, their tables, JSON and plot."""
     kind = "paged" if args.no_prefix_cache else "paged_prefix"
-    mixes = ", ".join(f"{mix} prompts {p[0]}:{p[1]}, new {n[0]}:{n[1]}" for mix, (p, n) in LENGTH_MIXES.items())
+    used = LENGTH_MIXES if args.sweep_block_sizes else ["ShareGPT"]
+    mixes = ", ".join(f"{mix} prompts {LENGTH_MIXES[mix][0]}, new {LENGTH_MIXES[mix][1]}" for mix in used)
     budget = f"KV budget {args.kv_budget:,} slots" if args.kv_budget else "a pool that holds every request"
-    setup = f"{args.num_requests} requests a run at {args.request_rate:g}/s, seed {args.seed}, {budget}"
+    setup = f"{args.num_requests} requests a run at {args.request_rate:g}/s, {budget}"
     where = f"{args.device}, {args.dtype}, {torch.get_num_threads()} threads"
-    print(f"{setup}; {mixes} tokens; {LABELS[kind]}, eager decode attention, {where}", flush=True)
+    print(f"{setup}, seed {args.seed}; {mixes} tokens (MIN, MAX); {LABELS[kind]}, eager attention, {where}")
     if args.sweep_block_sizes:
         out = {"block_sizes": sweep_block_sizes(model, enc, args, kind)}
-        columns = [("ms/token", "normalized_latency_ms"), ("output tok/s", "output_tok_s"), ("running", "running_mean")]
-        columns += [
-            ("preemptions", "preemptions"),
-            ("KV MB peak", "kv_allocated_peak_mb"),
-            ("tokens' MB", "kv_used_peak_mb"),
-        ]
-        for mix, runs in out["block_sizes"].items():
-            print(f"--- {mix}\n{sweep_table([(f'block size {b}', m) for b, m in runs.items()], columns)}")
-        title = f"block size: {setup}, {args.dtype}"
+        print_block_sizes(out["block_sizes"])
+        title = f"block size: ShareGPT's and Alpaca's mean lengths / 4; {setup}; {where}"
     else:
         out = {"preemption": sweep_preemption(model, enc, args, kind)}
-        micro = f"{MICRO_SEQUENCES} sequences of {MICRO_TOKENS} tokens"
-        columns = [("swap out ms", "swap_out_ms"), ("swap in ms", "swap_in_ms"), ("recompute ms", "recompute_ms")]
-        rows = [(f"block size {p['block_size']}", p) for p in out["preemption"]]
-        print(f"--- one batch of {micro} preempted and readmitted\n{sweep_table(rows, columns)}")
-        rows = [
-            (f"{mode}, block size {p['block_size']}", p[mode])
-            for p in out["preemption"]
-            for mode in ("recompute", "swap")
-        ]
-        columns = [
-            ("ms/token", "normalized_latency_ms"),
-            ("preemptions", "preemptions"),
-            ("swapped out", "swapped_out_blocks"),
-        ]
-        columns += [
-            ("swap MB", "swap_mb"),
-            ("swap out ms", "swap_out_ms"),
-            ("swap in ms", "swap_in_ms"),
-            ("recomputed", "recomputed_tokens"),
-            ("recompute ms", "recompute_ms"),
-        ]
-        print(f"--- ShareGPT mix under the KV budget\n{sweep_table(rows, columns)}")
-        title = f"recompute against swap: {micro}; {setup}, ShareGPT mix, {args.dtype}"
+        print_preemption(out["preemption"])
+        title = f"recompute against swap: ShareGPT's mean lengths / 4; {setup}; {where}"
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
     if args.plot:
         (plot_block_sizes if args.sweep_block_sizes else plot_preemption)(next(iter(out.values())), args.plot, title)
         print(f"plot written to {args.plot}")
+
+
+def print_block_sizes(results):
+    columns = [("ms/token", "normalized_latency_ms"), ("output tok/s", "output_tok_s"), ("running", "running_mean")]
+    columns += [("preemptions", "preemptions"), ("KV MB peak", "kv_allocated_peak_mb")]
+    columns += [("tokens' MB", "kv_used_peak_mb")]
+    for mix, runs in results.items():
+        print(f"--- {mix}\n{sweep_table([(f'block size {b}', m) for b, m in runs.items()], columns)}")
+
+
+def print_preemption(points):
+    columns = [("swap out ms", "swap_out_ms"), ("swap in ms", "swap_in_ms"), ("recompute ms", "recompute_ms")]
+    rows = [(f"block size {p['block_size']}", p) for p in points]
+    print(f"--- {MICRO_SEQUENCES} sequences of {MICRO_TOKENS} tokens preempted and readmitted, medians of 3")
+    print(sweep_table(rows, columns))
+    rows = [(f"{mode}, block size {p['block_size']}", p[mode]) for p in points for mode in ("recompute", "swap")]
+    columns = [
+        ("ms/token", "normalized_latency_ms"),
+        ("preemptions", "preemptions"),
+        ("swapped out", "swapped_out_blocks"),
+    ]
+    columns += [("swap MB", "swap_mb"), ("swap out ms", "swap_out_ms"), ("swap in ms", "swap_in_ms")]
+    columns += [("recomputed", "recomputed_tokens"), ("recompute ms", "recompute_ms")]
+    print(f"--- ShareGPT mix under the KV budget, each preemption mode\n{sweep_table(rows, columns)}")
 
 
 def main(argv=None):

@@ -136,7 +136,7 @@ def block_size_axes(ax, block_sizes):
 
 
 def plot_block_sizes(results, path, title):
-    """The block-size sweep: normalized latency against block size for each length mix (the vLLM paper's Fig. 18),
+    """The block-size sweep: normalized latency against block size for each length mix (the vLLM paper's Sec. 7.2),
     and the KV memory each needed at its peak, allocated and holding tokens."""
     import matplotlib
 

@@ -283,7 +283,7 @@ def test_preemption_sweep_times_swap_and_recompute_and_runs_each_mode_under_pres
         assert swap["swap_fallbacks"] == 0 and (swap["swapped_out_blocks"] > 0) == (swap["preemptions"] > 0)
         assert recompute["output_tokens"] == swap["output_tokens"]
     assert points[0]["swap"]["preemptions"] > 0
-    assert "--- one batch of 16 sequences of 128 tokens" in capsys.readouterr().out and png.stat().st_size > 10_000
+    assert "--- 16 sequences of 128 tokens preempted" in capsys.readouterr().out and png.stat().st_size > 10_000
 
 
 @pytest.mark.parametrize(
