@@ -18,11 +18,22 @@ from types import SimpleNamespace
 import torch
 
 from checkpoints import SHIPPED, export_hf, get_tokenizer, load_checkpoint
-from metrics import LABELS, returned, table
-from plots import PoolMap, plot
+from metrics import LABELS, returned, sweep_table, table
+from plots import PoolMap, plot, plot_block_sizes, plot_preemption
 from prepack import prepack
 from sequence import Request, RequestStatus
-from serving import make_engine, make_requests, serve, warm_up, workload
+from serving import (
+    LENGTH_MIXES,
+    MICRO_SEQUENCES,
+    MICRO_TOKENS,
+    make_engine,
+    make_requests,
+    serve,
+    sweep_block_sizes,
+    sweep_preemption,
+    warm_up,
+    workload,
+)
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -68,6 +79,10 @@ def span(text):
 
 def rates(text):
     return [number_type(above=0, kind=float)(r) for r in text.split(",")]
+
+
+def block_sizes(text):
+    return [number_type(1)(b) for b in text.split(",")]
 
 
 def parser():
@@ -117,6 +132,12 @@ def parser():
     )
     p.add_argument("--seed", type=int, default=1337, help="seeds sampling, the workload and arrivals")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
+    p.add_argument(
+        "--threads",
+        type=number_type(1),
+        help="torch's CPU threads (default: torch's own choice, one per core); 1 keeps timings steady on a machine "
+        "whose cores other work shares",
+    )
     p.add_argument(
         "--dtype",
         default="float32",
@@ -177,9 +198,23 @@ def parser():
     p.add_argument(
         "--sweep-rates", type=rates, help="with --compare: comma-separated request rates, each run by every design"
     )
+    p.add_argument(
+        "--sweep-block-sizes",
+        type=block_sizes,
+        help="the paged engine at each of these comma-separated block sizes, on two length mixes with ShareGPT's "
+        "and Alpaca's means scaled to the model (serving.LENGTH_MIXES), at --request-rate: normalized latency "
+        "and KV memory (the vLLM paper's Sec. 7.2); decode attention eager",
+    )
+    p.add_argument(
+        "--sweep-preemption",
+        type=block_sizes,
+        help="at each of these comma-separated block sizes: the time to swap 16 sequences of 128 tokens out and "
+        "back in against recomputing them, and the ShareGPT mix under --kv-budget with each --preemption, the "
+        "swap space as large as the pool (the vLLM paper's Sec. 7.3); decode attention eager",
+    )
     p.add_argument("--num-requests", type=number_type(1), help="serve a seeded workload cut from held-out text")
-    p.add_argument("--prompt-len", type=span, default=(16, 128), help="workload prompt tokens, MIN:MAX")
-    p.add_argument("--new-tokens", type=span, default=(16, 128), help="workload new tokens, MIN:MAX")
+    p.add_argument("--prompt-len", type=span, help="workload prompt tokens, MIN:MAX (default: 16:128)")
+    p.add_argument("--new-tokens", type=span, help="workload new tokens, MIN:MAX (default: 16:128)")
     p.add_argument("--shared-prefix", type=number_type(0), default=0, help="tokens every workload prompt starts with")
     p.add_argument("--plot", help="draw the runs (or the sweep) to this image file")
     p.add_argument(
@@ -204,9 +239,15 @@ def parse_args(argv=None):
         ("--pool-map", args.pool_map, "--paged, without --compare", args.paged and not args.compare),
         ("--preemption swap", args.preemption == "swap", "--swap-blocks N", args.swap_blocks),
         ("--swap-blocks", args.swap_blocks, "--preemption swap", args.preemption == "swap"),
+        ("--sweep-preemption", args.sweep_preemption, "--kv-budget", args.kv_budget),
     ]:
         if value and not present:
             fail(f"{flag} needs {needs}")
+    sweep = args.sweep_block_sizes or args.sweep_preemption
+    if sweep:
+        check_sweep(args, sweep)
+    args.prompt_len = args.prompt_len or (16, 128)
+    args.new_tokens = args.new_tokens or (16, 128)
     if args.num_beams > 1 and (args.num_samples > 1 or args.temperature or args.top_k or args.stop_at_eos):
         fail(
             f"--num-beams {args.num_beams} is greedy beam search to --max-new-tokens: it takes no --num-samples, "
@@ -216,7 +257,7 @@ def parse_args(argv=None):
     args.top_k = 200 if args.top_k is None and args.num_beams == 1 else args.top_k
     if args.kv_budget and args.kv_budget < args.block_size:
         fail(f"--kv-budget {args.kv_budget} slots hold no block of --block-size {args.block_size}")
-    workload_run = args.num_requests or (args.compare and not (args.prompt or args.prompts))
+    workload_run = args.num_requests or sweep or (args.compare and not (args.prompt or args.prompts))
     if workload_run and args.max_new_tokens:
         fail("--max-new-tokens is for your own prompts; a --num-requests workload draws --new-tokens MIN:MAX")
     args.max_new_tokens = args.max_new_tokens or 100
@@ -228,6 +269,21 @@ def parse_args(argv=None):
         if path:
             prepare_output(flag, path)
     return args
+
+
+def check_sweep(args, sweep):
+    """A sweep over block sizes draws its own workloads and runs the paged engine eager, or fails in one line."""
+    flags = ["--sweep-block-sizes", "--sweep-preemption", "--compare", "--prompt-len", "--new-tokens", "--swap-blocks"]
+    given = [flag for flag in flags if getattr(args, flag[2:].replace("-", "_"))]
+    if len(given) > 1:
+        fail(f"{given[0]} draws its own workloads and engines: it takes no {', '.join(given[1:])}")
+    if args.pool_map or args.prompt or args.prompts:
+        fail(f"{given[0]} serves its own workloads: it takes no --pool-map, --prompt or --prompts")
+    if args.compile == "on":  # dynamo would compile a graph per block size, past its limit of 8
+        fail(f"{given[0]} runs decode attention eager: it takes no --compile on")
+    args.compile = "off"
+    if args.kv_budget and args.kv_budget < max(sweep):
+        fail(f"--kv-budget {args.kv_budget} slots hold no block of {max(sweep)}")
 
 
 def check_image_name(flag, path):
@@ -405,7 +461,7 @@ def report(args, kinds, texts, prompts, results, enc):
                 at = f" at {point['request_rate']:g} requests/s" if args.sweep_rates else ""
                 print(
                     f"{LABELS[kind]}{at}: {m['swap_fallbacks']} preempted sequences were recomputed instead of swapped: "
-                    f"the swap space of {m['swap_blocks']} blocks could not take them, or held the queue's head out"
+                    f"the swap space of {m['swap_blocks']} blocks could not take their group"
                 )
     if args.json:
         if args.sweep_rates:
@@ -426,8 +482,59 @@ def report(args, kinds, texts, prompts, results, enc):
         print(f"pool map written to {args.pool_map}: {num_blocks} blocks over {steps} steps")
 
 
+def run_sweep(model, enc, args):
+    """--sweep-block-sizes or --sweep-preemption: the runs, their tables, JSON and plot."""
+    kind = "paged" if args.no_prefix_cache else "paged_prefix"
+    used = LENGTH_MIXES if args.sweep_block_sizes else ["ShareGPT"]
+    mixes = ", ".join(f"{mix} prompts {LENGTH_MIXES[mix][0]}, new {LENGTH_MIXES[mix][1]}" for mix in used)
+    budget = f"KV budget {args.kv_budget:,} slots" if args.kv_budget else "a pool that holds every request"
+    setup = f"{args.num_requests} requests a run at {args.request_rate:g}/s, {budget}"
+    where = f"{args.device}, {args.dtype}, {torch.get_num_threads()} threads"
+    print(f"{setup}, seed {args.seed}; {mixes} tokens (MIN, MAX); {LABELS[kind]}, eager attention, {where}")
+    if args.sweep_block_sizes:
+        out = {"block_sizes": sweep_block_sizes(model, enc, args, kind)}
+        print_block_sizes(out["block_sizes"])
+        title = f"block size: ShareGPT's and Alpaca's mean lengths / 4; {setup}; {where}"
+    else:
+        out = {"preemption": sweep_preemption(model, enc, args, kind)}
+        print_preemption(out["preemption"])
+        title = f"recompute against swap: ShareGPT's mean lengths / 4; {setup}; {where}"
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    if args.plot:
+        (plot_block_sizes if args.sweep_block_sizes else plot_preemption)(next(iter(out.values())), args.plot, title)
+        print(f"plot written to {args.plot}")
+
+
+def print_block_sizes(results):
+    columns = [("ms/token", "normalized_latency_ms"), ("output tok/s", "output_tok_s"), ("running", "running_mean")]
+    columns += [("preemptions", "preemptions"), ("KV MB peak", "kv_allocated_peak_mb")]
+    columns += [("tokens' MB", "kv_used_peak_mb")]
+    for mix, runs in results.items():
+        print(f"--- {mix}\n{sweep_table([(f'block size {b}', m) for b, m in runs.items()], columns)}")
+
+
+def print_preemption(points):
+    columns = [("swap out ms", "swap_out_ms"), ("swap in ms", "swap_in_ms"), ("recompute ms", "recompute_ms")]
+    rows = [(f"block size {p['block_size']}", p) for p in points]
+    print(f"--- {MICRO_SEQUENCES} sequences of {MICRO_TOKENS} tokens preempted and readmitted, medians of 3")
+    print(sweep_table(rows, columns))
+    rows = [(f"{mode}, block size {p['block_size']}", p[mode]) for p in points for mode in ("recompute", "swap")]
+    columns = [
+        ("ms/token", "normalized_latency_ms"),
+        ("preemptions", "preemptions"),
+        ("swapped out", "swapped_out_blocks"),
+    ]
+    columns += [("swap MB", "swap_mb"), ("swap out ms", "swap_out_ms"), ("swap in ms", "swap_in_ms")]
+    columns += [("recomputed", "recomputed_tokens"), ("recompute ms", "recompute_ms")]
+    print(f"--- ShareGPT mix under the KV budget, each preemption mode\n{sweep_table(rows, columns)}")
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         fail(f"--device {args.device} asked for, but this torch sees no CUDA GPU")
     if args.export_hf:  # no training on the way: exporting a checkpoint that is not there is an error
@@ -442,6 +549,11 @@ def main(argv=None):
         return
     model, enc = load_model(args)
     args.eos = enc.eot_token if args.stop_at_eos else None
+    if args.sweep_block_sizes or args.sweep_preemption:
+        try:
+            return run_sweep(model, enc, args)
+        except ValueError as e:  # a block size whose pool holds no request
+            fail(e)
     texts, prompts, news = read_prompts(args, enc)
     kinds = choose_designs(args)
     if args.kv_budget:

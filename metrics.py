@@ -243,3 +243,10 @@ def table(runs):
         else []
     )
     return "\n".join(rows)
+
+
+def sweep_table(rows, columns):
+    """rows: (label, dict) pairs; columns: (header, key) pairs -> one line per row, one column per key."""
+    lines = [f"{'':<22}" + "".join(f"{header:>16}" for header, _ in columns)]
+    lines += [f"{label:<22}" + "".join(f"{cell(row.get(key)):>16}" for _, key in columns) for label, row in rows]
+    return "\n".join(lines)

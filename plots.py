@@ -120,3 +120,83 @@ def plot(all_stats, sweep, path, title):
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def block_size_axes(ax, block_sizes):
+    """Block sizes on a log2 x axis, each labeled; a log y axis labeled in plain numbers (1, 2, 5, 10, ...)."""
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(block_sizes, [str(b) for b in block_sizes])
+    ax.set_xlabel("block size (tokens)")
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))
+    ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.yaxis.set_minor_formatter(NullFormatter())
+
+
+def plot_block_sizes(results, path, title):
+    """The block-size sweep: normalized latency against block size for each length mix (the vLLM paper's Sec. 7.2),
+    and the KV memory each needed at its peak, allocated and holding tokens."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (latency, memory) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for (mix, runs), color in zip(results.items(), ["#4c72b0", "#dd8452"]):
+        block_sizes = list(runs)
+        latency.plot(block_sizes, [m["normalized_latency_ms"] for m in runs.values()], "o-", color=color, label=mix)
+        memory.plot(
+            block_sizes,
+            [m["kv_allocated_peak_mb"] for m in runs.values()],
+            "o-",
+            color=color,
+            label=f"{mix}, allocated",
+        )
+        memory.plot(
+            block_sizes,
+            [m["kv_used_peak_mb"] for m in runs.values()],
+            "o--",
+            color=color,
+            label=f"{mix}, holding tokens",
+        )
+    latency.set(title="normalized latency", ylabel="ms per output token (mean over requests)")
+    memory.set(title="KV memory at its peak", ylabel="MB")
+    for ax in (latency, memory):
+        block_size_axes(ax, block_sizes)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_preemption(points, path, title):
+    """Recompute against swap at each block size: the microbenchmark's times (the vLLM paper's Fig. 19a) and the
+    normalized latency of a run under memory pressure with each (its Fig. 19b)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (micro, latency) = plt.subplots(1, 2, figsize=(12, 4.5))
+    block_sizes = [p["block_size"] for p in points]
+    for label, times in [
+        ("recompute", [p["recompute_ms"] for p in points]),
+        ("swap out", [p["swap_out_ms"] for p in points]),
+        ("swap in", [p["swap_in_ms"] for p in points]),
+        ("swap out + in", [p["swap_out_ms"] + p["swap_in_ms"] for p in points]),
+    ]:
+        micro.plot(block_sizes, times, "o-" if label in ("recompute", "swap out + in") else "o:", label=label)
+    for mode in ("recompute", "swap"):
+        latency.plot(block_sizes, [p[mode]["normalized_latency_ms"] for p in points], "o-", label=mode)
+    micro.set(title="one batch preempted and readmitted (Fig. 19a)", ylabel="ms")
+    latency.set(title="end to end under memory pressure (Fig. 19b)", ylabel="ms per output token (mean over requests)")
+    for ax in (micro, latency):
+        block_size_axes(ax, block_sizes)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -3,9 +3,11 @@ the command line's flags, warmed up untimed, then stepped as requests arrive, wi
 
 import math
 import random
+import statistics
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import torch
 
@@ -166,3 +168,100 @@ def serve(engine, requests, args, rate):
         pass
     wall_s = engine.clock.now() - start  # every step ends in a host transfer
     return metrics(meter, wall_s, rate, args.kv_budget), meter.steps
+
+
+# The vLLM paper's two length mixes (its Fig. 11 gives their means), scaled by 1/4 so that ShareGPT's longest fit
+# the shipped model's 256-token context: prompt and output lengths uniform in MIN:MAX, each mean a quarter of the
+# paper's (whose distributions are long-tailed, not uniform)
+LENGTH_MIXES = {
+    "ShareGPT": ((8, 72), (16, 153)),  # means 40 and 84.5; the paper's 161.31 and 337.99
+    "Alpaca": ((2, 8), (4, 25)),  # means 5 and 14.5; the paper's 19.31 and 58.45
+}
+# the microbenchmark's batch (the paper's Fig. 19a): this many sequences of this many prompt tokens, 2,048 in all
+MICRO_SEQUENCES, MICRO_TOKENS = 16, 128
+
+
+def run_args(args, block_size, mix="ShareGPT", **changes):
+    """The flags of one run of a sweep: a length mix, at one block size."""
+    prompt_len, new_tokens = LENGTH_MIXES[mix]
+    changes = dict(prompt_len=prompt_len, new_tokens=new_tokens, block_size=block_size, **changes)
+    return SimpleNamespace(**{**vars(args), **changes})
+
+
+def serve_once(model, enc, run, kind):
+    """Serve run's seeded workload with the paged engine, after an untimed warm-up of the same settings (first calls
+    at new shapes pay one-time costs) -> its metrics, KV memory in MB too."""
+    prompts, news = workload(enc, run)
+    make_engine(model, kind, run, prompts, news, enc.n_vocab).run([Request(p[:16], 2) for p in prompts[:2]])
+    engine = make_engine(model, kind, run, prompts, news, enc.n_vocab)
+    m, _ = serve(engine, make_requests(run, prompts, news), run, run.request_rate)
+    slot_mb = engine.kv_pool[:, :, 0, 0].nbytes / 2**20  # one token's K and V in every layer
+    m.update(
+        kv_allocated_peak_mb=m["kv_slots_allocated_peak"] * slot_mb, kv_used_peak_mb=m["kv_slots_used_peak"] * slot_mb
+    )
+    return m
+
+
+def sweep_block_sizes(model, enc, args, kind):
+    """The paper's Sec. 7.2: both length mixes at every block size, at one request rate -> {mix: {block size:
+    metrics}}, each run's line printed as it ends."""
+    results = {}
+    for mix in LENGTH_MIXES:
+        results[mix] = {}
+        for block_size in args.sweep_block_sizes:
+            m = results[mix][block_size] = serve_once(model, enc, run_args(args, block_size, mix), kind)
+            print(f"{mix} block size {block_size}: {m['normalized_latency_ms']:.2f} ms per output token", flush=True)
+    return results
+
+
+def time_preemption(model, enc, args, block_size, repeats=3):
+    """The paper's Fig. 19a: MICRO_SEQUENCES sequences of MICRO_TOKENS prompt tokens are prefilled, preempted
+    together and readmitted, their K/V swapped out and back in, or recomputed (no prefix cache, which would find
+    them) -> the median of `repeats` of each time, in ms, for the whole batch."""
+    run = SimpleNamespace(**{**vars(args), "prompt_len": (MICRO_TOKENS, MICRO_TOKENS), "num_requests": MICRO_SEQUENCES})
+    prompts, _ = workload(enc, run)
+    num_blocks = blocks_for(MICRO_TOKENS + 2, block_size) * MICRO_SEQUENCES
+    times = dict(swap_out_ms=[], swap_in_ms=[], recompute_ms=[])
+    for _ in range(repeats):
+        for swap_blocks in (num_blocks, 0):
+            engine = PagedEngine(
+                model,
+                num_blocks=num_blocks,
+                block_size=block_size,
+                token_budget=MICRO_SEQUENCES * (MICRO_TOKENS + 1),  # readmission is one step
+                max_batch=MICRO_SEQUENCES,
+                prefix_cache=False,
+                compile="off",
+                swap_blocks=swap_blocks,
+            )
+            meter = Meter(engine)
+            for p in prompts:
+                engine.add(Request(p, 3))
+            engine.step()  # every prompt prefilled, and its first token drawn
+            engine.preempt(list(engine.running))
+            engine.step()  # every sequence readmitted: swapped in, or recomputed
+            if swap_blocks:
+                times["swap_out_ms"].append(meter.swap_out_s * 1000)
+                times["swap_in_ms"].append(meter.swap_in_s * 1000)
+            else:
+                times["recompute_ms"].append(meter.recompute_s * 1000)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def sweep_preemption(model, enc, args, kind):
+    """The paper's Sec. 7.3 at every block size: the microbenchmark, and the ShareGPT mix under args.kv_budget
+    with each preemption mode, the swap space as large as the pool -> one point per block size, each printed."""
+    points = []
+    for block_size in args.sweep_preemption:
+        point = dict(block_size=block_size, **time_preemption(model, enc, args, block_size))
+        for swap_blocks, mode in [(0, "recompute"), (args.kv_budget // block_size, "swap")]:
+            point[mode] = serve_once(model, enc, run_args(args, block_size, swap_blocks=swap_blocks), kind)
+        points.append(point)
+        latency = ", ".join(f"{mode} {point[mode]['normalized_latency_ms']:.2f}" for mode in ("recompute", "swap"))
+        swap = point["swap_out_ms"] + point["swap_in_ms"]
+        print(
+            f"block size {block_size}: swap out + in {swap:.2f} ms, recompute {point['recompute_ms']:.2f} ms; "
+            f"ms per output token: {latency}",
+            flush=True,
+        )
+    return points

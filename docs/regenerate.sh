@@ -16,6 +16,11 @@ run kv_budget --compare --kv-budget 4096 --num-requests 256 --prompt-len 8:128 -
     --plot docs/kv_budget.png --json docs/kv_budget.json
 run rate_sweep --compare --kv-budget 4096 --num-requests 150 --prompt-len 8:128 --new-tokens 8:128 --seed 1 \
     --sweep-rates 10,15,20,30,40,60 --plot docs/rate_sweep.png --json docs/rate_sweep.json
+# the vLLM paper's Sec. 7.2 and 7.3 (about a minute each; one thread keeps them steady on a shared machine)
+run block_size --sweep-block-sizes 1,2,4,8,16,32,64,128,256 --num-requests 128 --request-rate 256 --kv-budget 2048 \
+    --threads 1 --seed 1 --plot docs/block_size.png --json docs/block_size.json
+run swap --sweep-preemption 1,2,4,8,16,32,64,128,256 --num-requests 64 --request-rate 256 --kv-budget 1024 \
+    --threads 1 --seed 1 --plot docs/swap.png --json docs/swap.json
 python bench/floor.py > docs/floor.txt
 python bench/floor.py --vocab-size 50304 > docs/floor_50k.txt
 python bench/fork_memory.py --plot docs/fork_memory.png > docs/fork_memory.txt

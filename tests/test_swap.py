@@ -237,3 +237,69 @@ def test_check_invariants_catches_a_leaked_swap_block(model):
     engine.free_swap.append(engine.free_swap[0])
     with pytest.raises(AssertionError, match="a swap block is free twice"):
         check_invariants(engine)
+
+
+# The two experiments, on the shipped model (their length mixes are scaled to its 256-token context)
+
+BLOCK_SIZES = "1,2,4,8,16,32,64,128,256"
+README_COMMANDS = [  # as docs/block_size.md and docs/swap.md give them
+    f"--sweep-block-sizes {BLOCK_SIZES} --num-requests 128 --request-rate 256 --kv-budget 2048 --threads 1 --seed 1",
+    f"--sweep-preemption {BLOCK_SIZES} --num-requests 64 --request-rate 256 --kv-budget 1024 --threads 1 --seed 1",
+]
+
+
+@pytest.mark.parametrize("command", README_COMMANDS)
+def test_the_experiment_commands_parse(command, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = generate.parse_args([*command.split(), "--plot", "out/sweep.png", "--json", "out/sweep.json"])
+    assert args.compile == "off" and args.num_requests in (64, 128) and (tmp_path / "out").is_dir()
+
+
+def test_block_size_sweep_runs_both_mixes_at_every_block_size_and_plots_them(tmp_path, capsys):
+    out, png = tmp_path / "bs.json", tmp_path / "bs.png"
+    argv = ["--sweep-block-sizes", "4,64", "--num-requests", "4", "--kv-budget", "512", "--threads", "1"]
+    generate.main(argv + ["--json", str(out), "--plot", str(png)])
+    runs = json.loads(out.read_text())["block_sizes"]
+    assert list(runs) == ["ShareGPT", "Alpaca"] and all(list(r) == ["4", "64"] for r in runs.values())
+    for r in runs.values():
+        assert all(m["normalized_latency_ms"] > 0 and m["block_size"] == int(b) for b, m in r.items())
+        assert r["64"]["kv_allocated_peak_mb"] >= r["4"]["kv_allocated_peak_mb"] > 0  # 64-token blocks waste more
+    text = capsys.readouterr().out
+    assert "--- ShareGPT" in text and "--- Alpaca" in text and "1 threads" in text
+    assert png.stat().st_size > 10_000
+
+
+def test_preemption_sweep_times_swap_and_recompute_and_runs_each_mode_under_pressure(tmp_path, capsys):
+    out, png = tmp_path / "swap.json", tmp_path / "swap.png"
+    argv = ["--sweep-preemption", "4,32", "--num-requests", "8", "--kv-budget", "256", "--threads", "1"]
+    generate.main(argv + ["--json", str(out), "--plot", str(png)])
+    points = json.loads(out.read_text())["preemption"]
+    assert [p["block_size"] for p in points] == [4, 32]
+    for p in points:
+        assert p["swap_out_ms"] > 0 and p["swap_in_ms"] > 0 and p["recompute_ms"] > 0
+        recompute, swap = p["recompute"], p["swap"]
+        assert recompute["preemption"] == "recompute" and recompute["swapped_out_blocks"] == 0
+        assert swap["preemption"] == "swap" and swap["swap_blocks"] == 256 // p["block_size"]
+        assert swap["swap_fallbacks"] == 0 and (swap["swapped_out_blocks"] > 0) == (swap["preemptions"] > 0)
+        assert recompute["output_tokens"] == swap["output_tokens"]
+    assert points[0]["swap"]["preemptions"] > 0
+    assert "--- 16 sequences of 128 tokens preempted" in capsys.readouterr().out and png.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--sweep-preemption", "4"], "error: --sweep-preemption needs --kv-budget"),
+        (["--sweep-block-sizes", "4", "--prompt-len", "4:8"], "error: --sweep-block-sizes draws its own workloads"),
+        (["--sweep-block-sizes", "4", "--sweep-preemption", "4", "--kv-budget", "64"], "takes no --sweep-preemption"),
+        (["--sweep-block-sizes", "4", "--compile", "on"], "runs decode attention eager: it takes no --compile on"),
+        (["--sweep-block-sizes", "4,256", "--kv-budget", "128"], "error: --kv-budget 128 slots hold no block of 256"),
+        (["--sweep-block-sizes", "4,0"], "error: argument --sweep-block-sizes: 0 is below 1"),
+        (["--sweep-block-sizes", "4", "--pool-map", "x.png"], "error: --pool-map needs --paged"),
+    ],
+)
+def test_bad_sweeps_get_one_line(argv, message, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        generate.parse_args(argv)
+    assert message in str(e.value.code) and "\n" not in str(e.value.code)
