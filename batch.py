@@ -49,7 +49,10 @@ class StepBatch:
         logit_rows: (S,) the token whose logits each of the S samplers reads;
         sample_rows: (S,) each sampler's row in the engine's per-sequence tensors;
         sample_pos: (S,) the position of the token each sampler draws;
-    and a subclass's own tables (host_tensors). The constructor changes nothing but the staging buffer."""
+    and a subclass's own tables (host_tensors). The constructor changes nothing but the staging buffer.
+    A subclass keeps the K/V: store(layer, k, v) keeps one layer's new K/V, k, v: (N, H, D);
+    attend_one_token(layer, q) attends the B one-token entries, q: (B, H, D) -> (B, H, D); chunk_kv(layer,
+    chunk) -> the keys and values a chunk attends, its own too: (1, L, H, D) each."""
 
     def __init__(self, plan, samplers, staging):
         num_cached = torch.tensor([s.num_computed for s, _ in plan], dtype=torch.long)  # (R,)
@@ -78,15 +81,6 @@ class StepBatch:
             sample_rows=torch.tensor([x.sequence.row for x in samplers], dtype=torch.long),
             sample_pos=self.kv_lens[entries],
         )
-
-    def store(self, layer, k, v):  # hook: keep one layer's new K/V, k, v: (N, H, D)
-        raise NotImplementedError
-
-    def attend_one_token(self, layer, q):  # hook: q (B, H, D) -> (B, H, D), the B one-token entries' attention
-        raise NotImplementedError
-
-    def chunk_kv(self, layer, chunk):  # hook: the keys and values a chunk attends, its own too: (1, L, H, D) each
-        raise NotImplementedError
 
     def attend(self, layer, q, k, v):
         """q, k, v: (N, H, D) for the step's new tokens -> (N, H, D)."""

@@ -217,19 +217,15 @@ class PagedBatch(StepBatch):
         write_kv(self.k_pool[layer], self.v_pool[layer], self.slots, k, v)
 
     def attend_one_token(self, layer, q):
-        k_pool = self.k_pool[layer]
-        v_pool = self.v_pool[layer]
-        table = self.one_token_table
-        kv_len = self.one_token_len
-        if not self.compiled:  # copy whole blocks out, then SDPA
-            k = gather_kv(k_pool, table)  # (B, L, H, D)
-            v = gather_kv(v_pool, table)
-            return attend(q[:, None], k, v, kv_len[:, None] - 1)[:, 0]
+        pools = self.k_pool[layer], self.v_pool[layer]
+        table, kv_len = self.one_token_table, self.one_token_len
+        if not self.compiled:  # copy whole blocks out, then SDPA: k, v (B, L, H, D)
+            return attend(q[:, None], *(gather_kv(pool, table) for pool in pools), kv_len[:, None] - 1)[:, 0]
         padded = F.pad(q, (0, 0, 0, 0, 0, table.shape[0] - q.shape[0]))  # (B, H, D)
-        for t in (padded, table, kv_len, k_pool, v_pool):  # one graph for every batch, width and pool size
+        for t in (padded, table, kv_len, *pools):  # one graph for every batch, width and pool size
             torch._dynamo.maybe_mark_dynamic(t, 0)
         torch._dynamo.maybe_mark_dynamic(table, 1)
-        return compiled_gather_attend()(padded, k_pool, v_pool, table, kv_len)[: q.shape[0]]
+        return compiled_gather_attend()(padded, *pools, table, kv_len)[: q.shape[0]]
 
     def chunk_kv(self, layer, chunk):
         num_blocks = blocks_for(chunk.num_cached + chunk.end - chunk.start, self.k_pool.shape[2])

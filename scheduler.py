@@ -63,13 +63,7 @@ class PagedEngine(Engine):
             model.config, swap_blocks - 1, block_size, "cpu", self.kv_pool.dtype, self.kv_pool.is_cuda
         )
         self.free_swap = list(range(swap_blocks))  # a stack, as the allocator's clean blocks
-        # the shapes of padded decode steps: batch buckets 1, 2, 4, 8, then steps of 16, and halving widths
-        batches = [b for b in [1, 2, 4, 8, *range(16, self.max_running, 16)] if b < self.max_running]
-        self.graph_batches = batches + [self.max_running]
-        self.graph_widths = sorted({blocks_for(width, 2**i) for i in range(GRAPH_WIDTHS)})
-        self.graphs = {}  # (batch, width) -> (its CUDA graph, the logits it writes)
-        if self.compile == "graph" and self.device.type == "cuda":
-            self.capture_graphs()
+        self.prepare_graphs(width)
 
     def check(self, r):
         super().check(r)
@@ -220,11 +214,8 @@ class PagedEngine(Engine):
             return False
         block_hash = self.allocator.block_hash(s, k)
         end = (k + 1) * self.block_size
-        for x in self.running:
-            computing = x.status is SequenceStatus.PREFILLING and x.num_computed < end <= len(x.tokens)
-            if computing and self.allocator.block_hash(x, k) == block_hash:
-                return True
-        return False
+        computing = [x for x in self.running if x.status is SequenceStatus.PREFILLING and x.num_computed < end]
+        return any(end <= len(x.tokens) and self.allocator.block_hash(x, k) == block_hash for x in computing)
 
     def admit(self, s, cached):
         """s starts with the cached blocks heading its tokens, already shared, then, if it was swapped out, the
@@ -252,9 +243,17 @@ class PagedEngine(Engine):
         return batch, next(w for w in self.graph_widths if w >= width)
 
     @torch.no_grad()
-    def capture_graphs(self):
-        """One CUDA graph per decode shape, largest first, all in one memory pool, as nano-vllm's capture_cudagraph:
-        a decode-only step then replays its shape's graph instead of launching every kernel from Python."""
+    def prepare_graphs(self, width):
+        """The shapes a decode-only step is padded to with compile graph: batch buckets 1, 2, 4, 8, then steps of
+        16, and widths halving from the longest context's. On CUDA, one graph per shape, captured largest first in
+        one memory pool, as nano-vllm's capture_cudagraph: a decode-only step replays its shape's graph instead of
+        launching every kernel from Python."""
+        batches = [b for b in [1, 2, 4, 8, *range(16, self.max_running, 16)] if b < self.max_running]
+        self.graph_batches = batches + [self.max_running]
+        self.graph_widths = sorted({blocks_for(width, 2**i) for i in range(GRAPH_WIDTHS)})
+        self.graphs = {}  # (batch, width) -> (its CUDA graph, the logits it writes)
+        if self.compile != "graph" or self.device.type != "cuda":
+            return
         pool = None
         for shape in sorted(itertools.product(self.graph_batches, self.graph_widths), reverse=True):
             batch = PagedBatch([], [], self.staging, self.k_pool, self.v_pool, self.block_tables, True, shape)

@@ -5,6 +5,7 @@ import random
 import re
 
 import pytest
+import torch
 from conftest import baseline, check_invariants, make_requests, run_engine
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -303,3 +304,22 @@ def test_bad_sweeps_get_one_line(argv, message, tmp_path, monkeypatch):
     with pytest.raises(SystemExit) as e:
         generate.parse_args(argv)
     assert message in str(e.value.code) and "\n" not in str(e.value.code)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("compile", ["off", "graph"])
+def test_swap_on_cuda_gives_the_cpu_engines_tokens(model, compile):
+    """On a GPU the swap space is pinned host memory and every swap crosses PCIe; the float64 engine there, with
+    CUDA graphs or eager, gives the CPU engine's tokens under the same preemption storm, swapping throughout."""
+    import copy
+
+    prompts = storm_prompts(3, 12, 3)
+    kw = dict(num_blocks=30, block_size=3, token_budget=24, max_batch=12, swap_blocks=120)
+    on_cpu = mixed_requests(prompts)
+    run_engine(PagedEngine(model, **kw), on_cpu, check=True)
+    on_cuda = mixed_requests(prompts)
+    engine = PagedEngine(copy.deepcopy(model).cuda(), compile=compile, **kw)
+    assert engine.swap_space.is_pinned()
+    run_engine(engine, on_cuda, check=True)
+    assert outputs(on_cuda) == outputs(on_cpu) and engine.meter.swapped_out_blocks > 0
+    leaks_nothing(engine)
