@@ -60,9 +60,7 @@ class StepBatch:
         ends = num_new.cumsum(0)  # (R,) each entry's end in the step's tokens
         starts = ends - num_new
         self.token_entry = torch.repeat_interleave(torch.arange(len(plan)), num_new)  # (N,) each token's plan entry
-        self.host_positions = (
-            num_cached[self.token_entry] + torch.arange(len(self.token_entry)) - starts[self.token_entry]
-        )
+        self.host_positions = (num_cached - starts)[self.token_entry] + torch.arange(len(self.token_entry))  # (N,)
         self.kv_lens = num_cached + num_new  # (R,) keys each entry has after this step
         self.num_one_token = int((num_new == 1).sum())  # NOTE: the plan puts them first
         self.last_token = ends - 1  # (R,) each entry's last token in the step's tokens

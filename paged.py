@@ -65,9 +65,6 @@ class BlockAllocator:
             else:
                 self.clean.append(block)
 
-    def is_shared(self, block):  # a block with other holders is never written: its writer copies it first
-        return self.ref_count[block] > 1
-
     def share(self, block):
         if self.ref_count[block] == 0:
             del self.cached_free[block]
@@ -118,8 +115,7 @@ class BlockAllocator:
 def allocate_pool(config, num_blocks, block_size, device, dtype, pin_memory=False):
     """k_pool and v_pool in one tensor: (2, n_layer, num_blocks + 1, block_size, n_head, head_size), the last
     block padding's. One indexed copy moves blocks of both, in every layer."""
-    head_size = config.n_embd // config.n_head
-    shape = (2, config.n_layer, num_blocks + 1, block_size, config.n_head, head_size)
+    shape = (2, config.n_layer, num_blocks + 1, block_size, config.n_head, config.n_embd // config.n_head)
     return torch.zeros(shape, device=device, dtype=dtype, pin_memory=pin_memory)
 
 
@@ -196,11 +192,9 @@ class PagedBatch(StepBatch):
         table = self.block_tables[rows, : max(blocks_read, default=0)].long()  # (R, W)
         block = table[self.token_entry, self.host_positions // block_size]  # (N,)
         B = self.num_one_token
-        read = dict(  # what a captured graph reads, first
-            idx=host.pop("idx"),
-            positions=host.pop("positions"),
+        read = {name: host.pop(name) for name in ("idx", "positions", "logit_rows")}  # what a captured graph reads
+        read.update(
             slots=block * block_size + self.host_positions % block_size,
-            logit_rows=host.pop("logit_rows"),
             one_token_table=table[:B, : max(blocks_read[:B], default=0)],
             one_token_len=self.kv_lens[:B],
         )

@@ -4,8 +4,6 @@ token_budget tokens in all. Admission waits until free blocks cover a sequence (
 preempts the newest sequence, to be recomputed, or swapped out to a swap space in host memory and back in.
 K/V live in the block pool (paged.py)."""
 
-import itertools
-
 import torch
 
 from engine import Engine, PlanEntry
@@ -18,8 +16,6 @@ COMPILE_FROM_ROWS = 16
 # BlockSpaceManager(watermark=0.01)
 WATERMARK_EVERY = 100
 COMPILE_MODES = ("auto", "on", "off", "graph")
-# compile "graph": decode steps are captured at this many widths (blocks read per row), halving from the longest
-GRAPH_WIDTHS = 4
 
 
 class PagedEngine(Engine):
@@ -63,7 +59,7 @@ class PagedEngine(Engine):
             model.config, swap_blocks - 1, block_size, "cpu", self.kv_pool.dtype, self.kv_pool.is_cuda
         )
         self.free_swap = list(range(swap_blocks))  # a stack, as the allocator's clean blocks
-        self.prepare_graphs(width)
+        self.prepare_graphs()
 
     def check(self, r):
         super().check(r)
@@ -105,7 +101,7 @@ class PagedEngine(Engine):
         """Give s's next token a slot of its own: a new block when its last is full, a copy of its last when
         another holds it too (copy-on-write: shared blocks are never written). May preempt s itself."""
         k = s.num_computed // self.block_size  # the block its next token goes in
-        if k < len(s.block_table) and not self.allocator.is_shared(s.block_table[k]):
+        if k < len(s.block_table) and self.allocator.ref_count[s.block_table[k]] == 1:  # held alone: written in place
             return
         if not self.make_room(s):
             return
@@ -231,31 +227,27 @@ class PagedEngine(Engine):
     def make_batch(self, plan, samplers):
         num_one_token = sum(n == 1 for _, n in plan)
         compiled = self.compile != "off" and num_one_token >= self.compile_from
-        shape = None
-        if self.compile == "graph" and len(samplers) <= len(plan) == num_one_token:  # decode only: pad to a graph's
-            width = blocks_for(max(s.num_computed for s, _ in plan) + 1, self.block_size)
-            shape = self.graph_shape(len(plan), width)
+        decode_only = len(samplers) <= len(plan) == num_one_token
+        shape = self.graph_shape(len(plan)) if self.compile == "graph" and decode_only else None  # pad to a graph's
         return PagedBatch(plan, samplers, self.staging, self.k_pool, self.v_pool, self.block_tables, compiled, shape)
 
-    def graph_shape(self, num_rows, width):
-        """The smallest captured (batch, width) that holds num_rows rows reading width blocks each."""
-        batch = next(b for b in self.graph_batches if b >= num_rows)
-        return batch, next(w for w in self.graph_widths if w >= width)
+    def graph_shape(self, num_rows):
+        """The smallest captured batch that holds num_rows rows, each reading as many blocks as the longest context
+        has: narrower tables, in graphs of their own, ran no faster end to end on an H200 (docs/gpu.md)."""
+        return next(b for b in self.graph_batches if b >= num_rows), self.block_tables.shape[1]
 
     @torch.no_grad()
-    def prepare_graphs(self, width):
-        """The shapes a decode-only step is padded to with compile graph: batch buckets 1, 2, 4, 8, then steps of
-        16, and widths halving from the longest context's. On CUDA, one graph per shape, captured largest first in
-        one memory pool, as nano-vllm's capture_cudagraph: a decode-only step replays its shape's graph instead of
-        launching every kernel from Python."""
-        batches = [b for b in [1, 2, 4, 8, *range(16, self.max_running, 16)] if b < self.max_running]
-        self.graph_batches = batches + [self.max_running]
-        self.graph_widths = sorted({blocks_for(width, 2**i) for i in range(GRAPH_WIDTHS)})
+    def prepare_graphs(self):
+        """The batch buckets a decode-only step is padded to with compile graph: 1, 2, 4, 8, then steps of 16. On
+        CUDA, one graph per bucket, captured largest first in one memory pool, as nano-vllm's capture_cudagraph: a
+        decode-only step replays its bucket's graph instead of launching every kernel from Python."""
+        buckets = [1, 2, 4, 8, *range(16, self.max_running, 16)]
+        self.graph_batches = [b for b in buckets if b < self.max_running] + [self.max_running]
         self.graphs = {}  # (batch, width) -> (its CUDA graph, the logits it writes)
         if self.compile != "graph" or self.device.type != "cuda":
             return
         pool = None
-        for shape in sorted(itertools.product(self.graph_batches, self.graph_widths), reverse=True):
+        for shape in map(self.graph_shape, reversed(self.graph_batches)):
             batch = PagedBatch([], [], self.staging, self.k_pool, self.v_pool, self.block_tables, True, shape)
             self.forward(batch)  # warm-up: compiles and allocates outside the capture
             graph = torch.cuda.CUDAGraph()
@@ -265,9 +257,9 @@ class PagedEngine(Engine):
             self.graphs[shape] = (graph, logits)
 
     def forward(self, batch):
-        graph, logits = self.graphs.get(batch.padded_shape, (None, None))
-        if graph is None:  # no graph of this shape: launch the forward's kernels one by one
+        if batch.padded_shape not in self.graphs:  # no graph of this shape: launch the forward's kernels one by one
             return super().forward(batch)
+        graph, logits = self.graphs[batch.padded_shape]
         graph.replay()
         return logits
 

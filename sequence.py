@@ -20,7 +20,7 @@ class SamplingParams:
 
     def cut(self, vocab_size):
         """The top_k that cuts the candidates, or None: a top_k of vocab_size or more keeps every id."""
-        return self.top_k if self.top_k is not None and self.top_k < vocab_size else None
+        return self.top_k if (self.top_k or vocab_size) < vocab_size else None
 
 
 class RequestStatus(Enum):

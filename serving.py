@@ -75,14 +75,16 @@ def make_engine(model, kind, args, prompts, news, vocab_size):
     needed = sum(blocks_for(len(p) + n - 1, args.block_size) for p, n in zip(prompts, news)) * width
     sizes = dict(max_batch=max_batch, token_budget=args.token_budget or 512, num_blocks=needed)
     if model.lm_head.weight.is_cuda:
-        defaults = cuda_defaults(model, args.block_size, needed)
-        sizes = {name: getattr(args, name) or value for name, value in defaults.items()}
-        print(f"on CUDA: max_batch {sizes['max_batch']}, token budget {sizes['token_budget']}, a pool of "
-              f"{sizes['num_blocks']:,} blocks (at most 90% of free memory); flags override each", flush=True)  # fmt: skip
+        sizes = {
+            name: getattr(args, name) or value for name, value in cuda_defaults(model, args.block_size, needed).items()
+        }
     if args.kv_budget:
         sizes["num_blocks"] = args.kv_budget // args.block_size
     elif args.num_blocks:
         sizes["num_blocks"] = args.num_blocks
+    if model.lm_head.weight.is_cuda:
+        print(f"on CUDA: max_batch {sizes['max_batch']}, token budget {sizes['token_budget']}, {sizes['num_blocks']:,} "
+              "blocks (by default: 256, 4,096, at most 90% of free memory)", flush=True)  # fmt: skip
     start = time.time()
     engine = PagedEngine(
         model,
@@ -94,7 +96,7 @@ def make_engine(model, kind, args, prompts, news, vocab_size):
         vocab_size=vocab_size,
     )
     if engine.graphs:
-        shapes = f"batches {engine.graph_batches[0]}-{engine.graph_batches[-1]} x widths {engine.graph_widths}"
+        shapes = f"batches {engine.graph_batches[0]}-{engine.graph_batches[-1]}"
         print(f"captured {len(engine.graphs)} CUDA graphs of decode steps ({shapes}) in {time.time() - start:.1f} s")
     return engine
 

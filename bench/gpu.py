@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import scheduler
 from engine import PlanEntry, Sampler
 from model import GPT, GPTConfig, attend
 from paged import blocks_for, compiled_gather_attend, gather_kv
@@ -168,8 +167,7 @@ def step_table(out, bandwidth):
     start = time.perf_counter()
     engine = PagedEngine(model, num_blocks=256 * 63 + 8, max_batch=256, token_budget=4096, compile="graph")
     say(
-        f"captured {len(engine.graphs)} graphs (batches {engine.graph_batches}, widths {engine.graph_widths}) "
-        f"in {time.perf_counter() - start:.1f} s",
+        f"captured {len(engine.graphs)} graphs (batches {engine.graph_batches}) in {time.perf_counter() - start:.1f} s",
         out,
     )
     weights = sum(p.numel() for p in model.parameters()) * 2
@@ -240,15 +238,6 @@ def e2e_table(out, repeats=3):
     # NOTE: ours runs first, then HF. Alternated, our run after HF's compiled static cache (torch.compile,
     # reduce-overhead) failed with an illegal memory access (H200, 2026-11-26)
     rows = {"ours": [run_ours(engine, prompts, news)[0] for _ in range(repeats)]}
-    del engine
-    scheduler.GRAPH_WIDTHS = 1  # do width buckets pay? the same engine with one width, the longest context's
-    engine = PagedEngine(model, block_size=16, compile="auto", **defaults)
-    scheduler.GRAPH_WIDTHS = 4
-    run_ours(engine, warm_prompts, warm_news)
-    rows[f"ours, one width ({len(engine.graphs)} graphs)"] = [
-        run_ours(engine, prompts, news)[0] for _ in range(repeats)
-    ]
-    del engine
     hf = hf_model(model, torch.bfloat16)
     start = time.perf_counter()
     run_hf(hf, prompts, news, cache_implementation="static")  # the timed shapes: nothing compiles while timed

@@ -46,16 +46,14 @@ def test_padded_decode_steps_give_the_unpadded_tokens_under_preemption_forks_and
     padded = [(rows, shape) for compile, rows, shape in shapes if shape is not None]
     assert all(compile == "graph" for compile, _, shape in shapes if shape is not None)
     assert any(shape[0] > rows for rows, shape in padded), "no step was padded to a larger batch"
-    assert len({shape for _, shape in padded}) > 2, "the steps used a single shape"
+    assert len({shape for _, shape in padded}) > 1, "the steps used a single batch bucket"
 
 
 def test_graph_shapes_are_the_buckets_and_a_step_takes_the_smallest_that_holds_it(model):
     engine = PagedEngine(model, num_blocks=64, block_size=4, max_batch=40, compile="graph")
     assert engine.graph_batches == [1, 2, 4, 8, 16, 32, 40]
-    assert engine.graph_widths == [2, 4, 8, 16]  # a 64-token context in blocks of 4: 16 blocks, halved 3 times
-    assert engine.graph_shape(3, 5) == (4, 8)
-    assert engine.graph_shape(33, 16) == (40, 16)
-    assert engine.graph_shape(1, 1) == (1, 2)
+    # every row reads as many blocks as a whole context has: 64 tokens in blocks of 4
+    assert engine.graph_shape(3) == (4, 16) and engine.graph_shape(33) == (40, 16) and engine.graph_shape(1) == (1, 16)
 
 
 def test_staging_buffer_never_moves_while_steps_of_every_size_run(model):
