@@ -186,9 +186,8 @@ class Engine:
     def give_forks_kv(self, plan, samplers):
         """The forks made this step take their parent's K/V, now that the forward has written them."""
         for s, i in samplers:
-            parent = plan[i].sequence
-            if s is not parent:  # a fork draws from its parent's entry
-                self.fork_kv(parent, s)
+            if s is not plan[i].sequence:  # a fork draws from its parent's entry
+                self.fork_kv(plan[i].sequence, s)
 
     def sample(self, logits, batch, samplers):
         """A token for every sampler, drawn on the device from its row's settings -> a list: one transfer."""

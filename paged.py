@@ -14,8 +14,6 @@ import torch.nn.functional as F
 from batch import StepBatch
 from model import attend
 
-MIN_COMPILED_SIZE = 2  # a size of 1 would specialize the compiled graph: smaller tables are padded to 2
-
 
 def blocks_for(num_tokens, block_size):
     return -(-num_tokens // block_size)
@@ -122,9 +120,8 @@ def allocate_pool(config, num_blocks, block_size, device, dtype, pin_memory=Fals
 def write_kv(k_pool, v_pool, slots, k, v):
     """One layer's new K/V, all sequences and heads, into their slots in one indexed copy each.
     k_pool, v_pool: (num_blocks + 1, block_size, H, D); slots: (N,); k, v: (N, H, D)."""
-    H, D = k.shape[1:]
-    k_pool.view(-1, H, D).index_copy_(0, slots, k)
-    v_pool.view(-1, H, D).index_copy_(0, slots, v)
+    k_pool.flatten(0, 1).index_copy_(0, slots, k)  # a view of the pool: (slots, H, D)
+    v_pool.flatten(0, 1).index_copy_(0, slots, v)
 
 
 def gather_kv(pool, block_table):
@@ -200,9 +197,10 @@ class PagedBatch(StepBatch):
         )
         if self.padded_shape:  # rows past B: token 0 at position 0, written to and read from the padding block
             names, (B, W) = list(read), self.padded_shape
-        else:  # a compiled step pads its one-token table alone: a size of 1 would specialize the compiled graph
+        else:  # a compiled step pads its one-token table alone, to 2 rows and blocks at least: a size of 1 would
+            # specialize the compiled graph
             names = ["one_token_table", "one_token_len"] if self.compiled and B else []
-            B, W = max(B, MIN_COMPILED_SIZE), max(read["one_token_table"].shape[1], MIN_COMPILED_SIZE)
+            B, W = max(B, 2), max(read["one_token_table"].shape[1], 2)
         values = dict(slots=padding * block_size, one_token_table=padding, one_token_len=1)
         read.update({name: pad_to(read[name], B, W, values.get(name, 0)) for name in names})
         return dict(read, table=table, **host)
@@ -223,5 +221,5 @@ class PagedBatch(StepBatch):
 
     def chunk_kv(self, layer, chunk):
         num_blocks = blocks_for(chunk.num_cached + chunk.end - chunk.start, self.k_pool.shape[2])
-        table = self.table[chunk.entry : chunk.entry + 1, :num_blocks]
+        table = self.table[chunk.entry, None, :num_blocks]
         return gather_kv(self.k_pool[layer], table), gather_kv(self.v_pool[layer], table)

@@ -12,9 +12,6 @@ from sequence import SequenceStatus
 
 # compile "auto" on a CPU: compiled decode attention from this many rows, as fast or faster (docs/compile.md)
 COMPILE_FROM_ROWS = 16
-# one block in every WATERMARK_EVERY is kept free at admission, for running sequences to grow: 1%, as vLLM V0's
-# BlockSpaceManager(watermark=0.01)
-WATERMARK_EVERY = 100
 COMPILE_MODES = ("auto", "on", "off", "graph")
 
 
@@ -49,7 +46,9 @@ class PagedEngine(Engine):
         # auto: compiled decode attention on a GPU, and on a CPU from COMPILE_FROM_ROWS rows
         self.compile_from = 1 if compile == "on" or self.k_pool.is_cuda else COMPILE_FROM_ROWS
         self.max_running = min(max_batch, token_budget)  # so every decoding sequence fits in a step
-        self.watermark = max(1, num_blocks // WATERMARK_EVERY)
+        # 1% of the blocks are kept free at admission, for running sequences to grow, as vLLM V0's
+        # BlockSpaceManager(watermark=0.01)
+        self.watermark = max(1, num_blocks // 100)
         # each running sequence's block table in its row, updated as it grows: no step rebuilds one from a list
         width = blocks_for(self.window, block_size)
         self.block_tables = torch.full((max_batch, width), num_blocks, dtype=torch.int32)  # num_blocks: padding
@@ -142,12 +141,11 @@ class PagedEngine(Engine):
         recomputed when readmitted. Blocks it shares with others stay where they are, with them."""
         for s in group:  # a beam that held its logprobs computes its last token again, for them
             s.num_computed = min(s.num_computed, len(s.tokens) - 1)
-        bs = self.block_size
-        swap = sum(blocks_for(s.num_computed, bs) for s in group) <= len(self.free_swap)  # else they drop their K/V
+        swap = sum(blocks_for(s.num_computed, self.block_size) for s in group) <= len(self.free_swap)  # else dropped
         for s in reversed(group):
             if swap:
                 self.notify("swapping")
-                s.swapped = [self.free_swap.pop() for _ in range(blocks_for(s.num_computed, bs))]
+                s.swapped = [self.free_swap.pop() for _ in range(blocks_for(s.num_computed, self.block_size))]
                 self.swap_space[:, :, s.swapped] = self.kv_pool[:, :, s.block_table[: len(s.swapped)]].cpu()
             else:
                 s.num_computed = 0

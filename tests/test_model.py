@@ -72,13 +72,14 @@ def test_cached_decode_equals_full_recompute(model, cache):
 
 
 def test_engines_prepack_the_callers_model_and_never_serve_a_stale_packed_weight():
-    """A float32 model handed to either engine comes out with every Linear packed (as generate.py's load_model
-    packs it), gives an unpacked copy's greedy tokens, and a weight changed after the engine was built is
-    multiplied as it is now: its packed copy, made from the old version, is skipped."""
+    """A float32 model handed to either engine comes out with every Linear of 2**17 weights or more packed, and
+    the smaller ones not (packed, they run slower), gives an unpacked copy's greedy tokens, and a weight changed
+    after the engine was built is multiplied as it is now: its packed copy, made from the old version, is skipped."""
+    shape = dict(n_embd=256, n_head=4)  # c_attn, c_fc and the MLP's c_proj are 2**17 or more; the rest smaller
     prompts, news = [[5, 6, 7, 8, 9], list(range(1, 20)), [42], [3, 1, 4, 1, 5, 9]], [12, 8, 16, 10]
 
     def unpacked_tokens(model):  # a fresh model with model's weights, whose Linears all take F.linear
-        fresh = tiny_gpt(dtype=torch.float32)
+        fresh = tiny_gpt(dtype=torch.float32, **shape)
         fresh.load_state_dict(model.state_dict())
         engine = ContiguousEngine(fresh)
         for m in fresh.modules():
@@ -87,11 +88,13 @@ def test_engines_prepack_the_callers_model_and_never_serve_a_stale_packed_weight
         return run_engine(engine, make_requests(prompts, news))
 
     for make in (lambda model: PagedEngine(model, num_blocks=40, block_size=4), ContiguousEngine):
-        model = tiny_gpt(seed=5, dtype=torch.float32)
+        model = tiny_gpt(seed=5, dtype=torch.float32, **shape)
         linears = [m for m in model.modules() if isinstance(m, Linear)]
         assert linears and all(m.packed_version is None for m in linears)
         before, after = make(model), make(model)  # after runs once the weight changed: its prefix cache is empty
-        assert all(m.packed_version == m.weight._version for m in linears), "the engine did not prepack its model"
+        packed = [m.packed_version == m.weight._version for m in linears]
+        assert packed == [m.weight.numel() >= 1 << 17 for m in linears], "the engine did not prepack its model"
+        assert 0 < sum(packed) < len(packed)
         want = unpacked_tokens(model)
         assert run_engine(before, make_requests(prompts, news)) == want
         c_fc = model.transformer.h[0].mlp.c_fc
