@@ -56,7 +56,9 @@ def main():
     p.add_argument("--device", default="cpu")
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
-    name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    with open("/proc/cpuinfo") as f:
+        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
+    name = f"{cpu}, {torch.cuda.get_device_name() if args.device == 'cuda' else 'no GPU'}"
     print(f"$ python bench/host_step.py --device {args.device} --repeats {args.repeats}")
     print(f"{name}, torch {torch.__version__}, {torch.get_num_threads()} threads, {time.strftime('%Y-%m-%d')}")
     host_step_ms(args.device, 32)  # warm: first calls pay one-time setup
