@@ -163,13 +163,7 @@ def plot_block_sizes(results, path, title):
         )
     latency.set(title="normalized latency", ylabel="ms per output token (mean over requests)")
     memory.set(title="KV memory at its peak", ylabel="MB")
-    for ax in (latency, memory):
-        block_size_axes(ax, block_sizes)
-        ax.legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_block_size_figure(fig, (latency, memory), block_sizes, title, path)
 
 
 def plot_preemption(points, path, title):
@@ -193,7 +187,14 @@ def plot_preemption(points, path, title):
         latency.plot(block_sizes, [p[mode]["normalized_latency_ms"] for p in points], "o-", label=mode)
     micro.set(title="one batch preempted and readmitted (Fig. 19a)", ylabel="ms")
     latency.set(title="end to end under memory pressure (Fig. 19b)", ylabel="ms per output token (mean over requests)")
-    for ax in (micro, latency):
+    save_block_size_figure(fig, (micro, latency), block_sizes, title, path)
+
+
+def save_block_size_figure(fig, axes, block_sizes, title, path):
+    """Block sizes on a log-2 axis under each panel, a legend in each, the title, then the file."""
+    import matplotlib.pyplot as plt
+
+    for ax in axes:
         block_size_axes(ax, block_sizes)
         ax.legend(fontsize=8)
     fig.suptitle(title)
