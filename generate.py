@@ -582,5 +582,5 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-    except KeyboardInterrupt:  # during loading or training; once serving, main keeps what finished
+    except KeyboardInterrupt:  # during loading; once serving, main keeps what finished
         sys.exit("interrupted before any request was served")

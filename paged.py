@@ -1,7 +1,8 @@
 """The paged KV cache: the block allocator with its prefix cache, the pool, write and gather on it, and the
-step batch that reads and writes through it. The pool, k and v: (n_layer, num_blocks + 1, block_size, n_head,
-head_size), is block-major: a gather copies whole blocks; (layer, head)'s own pool is k[layer, :, :, head].
-Position p of a sequence lives in slot block_table[p // block_size] * block_size + p % block_size of k[layer]."""
+step batch that reads and writes through it. The pool, kv_pool: (2, n_layer, num_blocks + 1, block_size,
+n_head, head_size), K and V in one tensor (k_pool, v_pool its halves), is block-major: a gather copies whole
+blocks; (layer, head)'s own pool is k_pool[layer, :, :, head].
+Position p of a sequence lives in slot block_table[p // block_size] * block_size + p % block_size of k_pool[layer]."""
 
 import functools
 import hashlib

@@ -37,7 +37,7 @@ def prepack(model):
             isinstance(m, Linear)
             and m.weight.device.type == "cpu"
             # a float32 weight smaller than 2**17 runs slower packed: oneDNN's call costs ~20 us more than F.linear's
-            # (1.0-3.4x below that size, 0.6-1.0x above, on an AMX Xeon: docs/bf16.md#prepacked-weights)
+            # (1.0-3.2x below that size, 0.6-1.0x above, on an AMX Xeon: docs/bf16.md#prepacked-weights)
             and (m.weight.dtype == torch.bfloat16 or m.weight.dtype == torch.float32 and m.weight.numel() >= 1 << 17)
             and m.packed_version != m.weight._version
         ):

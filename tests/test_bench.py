@@ -1,5 +1,5 @@
 """What the benchmarks claim about their own alternatives: the two-level top-k of bench/sampling.py is exact,
-and bench/compile_graph.py's one-graph forward computes what the engine computes."""
+and bench/archive/compile_graph.py's one-graph forward computes what the engine computes."""
 
 import pytest
 import torch
@@ -25,7 +25,7 @@ def test_two_level_topk_selects_exactly_what_torch_topk_does(vocab, k):
 
 
 def test_one_graph_forward_equals_eager_and_compiles_no_new_graph_as_steps_change(model):
-    """bench/compile_graph.py's whole forward as one graph, attention as an op: token for token the eager
+    """bench/archive/compile_graph.py's whole forward as one graph, attention as an op: token for token the eager
     engine's output, in float64; the code inductor writes calls the op once a layer and runs no GELU or
     layer norm of aten's (they are fused into its own kernels); and once warm, steps of other token counts,
     chunks, samplers and block tables compile nothing new."""
@@ -69,7 +69,7 @@ def test_sampling_bench_times_the_engines_own_sample_call(model):
 
 @pytest.mark.parametrize("rows", [1, 8])
 def test_linear_postops_bench_times_sides_that_compute_the_same(rows):
-    """bench/linear_postops.py: oneDNN's GELU and add post-ops give what the linear and the op apart give."""
+    """bench/archive/linear_postops.py: oneDNN's GELU and add post-ops give what the linear and the op apart give."""
     from bench.archive.linear_postops import sides_for
 
     g = torch.Generator().manual_seed(rows)
