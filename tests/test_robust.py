@@ -41,18 +41,18 @@ def workloads(draw):
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 @given(w=workloads())
 def test_random_workloads_keep_invariants_and_match_the_baseline(model, w):
-    want = baseline(model, w["prompts"], w["news"], w["temperature"], 40)
-    engine = PagedEngine(
-        model,
-        num_blocks=w["num_blocks"],
-        block_size=w["block_size"],
-        token_budget=w["token_budget"],
-        max_batch=w["max_batch"],
-        prefix_cache=w["prefix_cache"],
-    )
-    got = run_engine(engine, make_requests(w["prompts"], w["news"], w["temperature"], 40), w["arrivals"], check=True)
-    assert got == want
+    engine = run_random_workload(model, w)
     assert engine.allocator.num_free() == w["num_blocks"] and not engine.running and not engine.waiting
+
+
+def run_random_workload(model, w, **kw):
+    """Serve a workloads() draw with the paged engine it names (and kw), checking the invariants after every step
+    and the outputs against the contiguous baseline -> the engine."""
+    sizes = {name: w[name] for name in ("num_blocks", "block_size", "token_budget", "max_batch", "prefix_cache")}
+    engine = PagedEngine(model, **sizes, **kw)
+    got = run_engine(engine, make_requests(w["prompts"], w["news"], w["temperature"], 40), w["arrivals"], check=True)
+    assert got == baseline(model, w["prompts"], w["news"], w["temperature"], 40)
+    return engine
 
 
 def test_pool_far_smaller_than_the_workload_preempts_and_still_matches(model):

@@ -6,11 +6,11 @@ import re
 
 import pytest
 import torch
-from conftest import baseline, check_invariants, make_requests, run_engine
+from conftest import check_invariants, run_engine
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_fork import reference_beam_search, samples_as_separate_requests
-from test_robust import workloads
+from test_robust import run_random_workload, workloads
 
 import generate
 from observer import Observer
@@ -122,19 +122,7 @@ def test_a_swap_space_too_small_recomputes_the_victims_it_cannot_take_and_counts
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 @given(w=workloads())
 def test_random_workloads_with_swap_keep_invariants_and_match_the_baseline(model, w):
-    want = baseline(model, w["prompts"], w["news"], w["temperature"], 40)
-    engine = PagedEngine(
-        model,
-        num_blocks=w["num_blocks"],
-        block_size=w["block_size"],
-        token_budget=w["token_budget"],
-        max_batch=w["max_batch"],
-        prefix_cache=w["prefix_cache"],
-        swap_blocks=1 + w["num_blocks"] // 2,
-    )
-    got = run_engine(engine, make_requests(w["prompts"], w["news"], w["temperature"], 40), w["arrivals"], check=True)
-    assert got == want
-    leaks_nothing(engine)
+    leaks_nothing(run_random_workload(model, w, swap_blocks=1 + w["num_blocks"] // 2))
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
