@@ -21,18 +21,20 @@ class Chunk(NamedTuple):
 
 
 class Staging:
-    """The device buffer every step's small tensors are copied into, in one copy from one host buffer (pinned
-    on CUDA), both allocated once: a field sits at the same address in every step of the same shape, which a
-    captured graph needs."""
+    """The device buffer every step's small tensors are copied into, in one copy from a host buffer (pinned on
+    CUDA). The device buffer is allocated once: a field sits at the same address in every step of the same
+    shape, which a captured graph needs."""
 
     def __init__(self, device, size):
-        self.host_buffer = torch.zeros(size, dtype=torch.long, pin_memory=device.type == "cuda")
-        self.device_buffer = self.host_buffer.to(device)
+        self.pin_memory = device.type == "cuda"
+        self.device_buffer = torch.zeros(size, dtype=torch.long, device=device)
 
     def load(self, tensors):
         """{name: host tensor} -> {name: a view of the device buffer}."""
         sizes = [t.numel() for t in tensors.values()]
-        host = self.host_buffer[: sum(sizes)]
+        # NOTE: a new host buffer each step: a step that samples nothing does not wait for the device, and the
+        # caching host allocator hands a pinned buffer out again only once its copy is done
+        host = torch.empty(sum(sizes), dtype=torch.long, pin_memory=self.pin_memory)
         torch.cat([t.flatten() for t in tensors.values()], out=host)
         device = self.device_buffer[: sum(sizes)]
         device.copy_(host, non_blocking=True)  # the step's end waits for the sampled tokens, and so for this
