@@ -1,7 +1,8 @@
-"""The engine on a CUDA GPU in one command: decode attention against SDPA on a contiguous cache, one decode step
-eager against its captured CUDA graph, the host side of a step, and end to end against Hugging Face's
-generate with a static cache (compiled, CUDA graphs) and a dynamic one. GPT-2 small's shape (12 x 768,
-vocabulary 50,257), random weights, bf16, greedy.
+"""The engine on a CUDA GPU in one command: decode attention against SDPA on a contiguous cache (with two
+candidates: a split by block, and flex_attention reading the pool in place through a block mask made from the
+block table), one decode step eager against its captured CUDA graph, the host side of a step, and end to end
+against Hugging Face's generate with a static cache (compiled, CUDA graphs) and a dynamic one, with where our
+run's time goes by kind of step. GPT-2 small's shape (12 x 768, vocabulary 50,257), random weights, bf16, greedy.
 
     python bench/gpu.py [--out out/gpu.md] [--sections tests,step,e2e,attention,hf_equal,host]
 
@@ -21,11 +22,12 @@ import traceback
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from engine import PlanEntry, Sampler
 from model import GPT, GPTConfig, attend
-from paged import blocks_for, compiled_gather_attend, gather_kv
+from paged import BlockAllocator, blocks_for, compiled_gather_attend, gather_kv
 from scheduler import PagedEngine
 from sequence import Request
 from serving import cuda_defaults
@@ -90,9 +92,53 @@ def compiled_split():
     return torch.compile(gather_attend_split)
 
 
+def flex_block_mask(block_table, kv_len, num_pool_blocks, block_size):
+    """A candidate, not in the engine: flex_attention's block mask for decode rows that read the pool in place,
+    flattened to slots (num_pool_blocks * block_size keys) -> BlockMask. Row b's key blocks are its own blocks:
+    the whole ones unmasked, the last, partly filled one through mask_mod. mask_mod is exact on its own too (it
+    finds each slot's place in the row's sequence), as eager flex_attention applies it to every key.
+    block_table: (B, W), its entries past a row's blocks stale or padding; kv_len: (B,). Built once a step."""
+    B, W = block_table.shape
+    logical = torch.arange(W, device=block_table.device)
+    num_blocks = -(-kv_len // block_size)  # (B,)
+    table = torch.where(logical < num_blocks[:, None], block_table.long(), num_pool_blocks - 1)  # stale: padding
+    place = torch.full((B, num_pool_blocks), -1, device=block_table.device, dtype=torch.long)
+    place.scatter_(1, table, logical.expand(B, W).contiguous())  # (B, pool blocks): its index in row b, or -1
+    whole = kv_len // block_size  # (B,)
+    last = table.gather(1, whole.clamp(max=W - 1)[:, None])  # (B, 1) the partly filled block, if there is one
+
+    def visible(b, h, q_idx, kv_idx):
+        j = place[b, kv_idx // block_size]
+        return (j >= 0) & (j * block_size + kv_idx % block_size < kv_len[b])
+
+    return BlockMask.from_kv_blocks(
+        (num_blocks - whole).int().view(B, 1, 1),
+        last.int().view(B, 1, 1, 1),
+        whole.int().view(B, 1, 1),
+        table.int().view(B, 1, 1, W),
+        BLOCK_SIZE=(128, block_size),
+        mask_mod=visible,
+        seq_lengths=(1, num_pool_blocks * block_size),
+        compute_q_blocks=False,
+    )
+
+
+def flex_paged_attend(q, k_pool, v_pool, block_mask):
+    """The candidate's attention, one layer: q (B, H, D), pools (num_pool_blocks, block_size, H, D) -> (B, H, D)."""
+    k, v = (pool.flatten(0, 1).transpose(0, 1)[None] for pool in (k_pool, v_pool))  # (1, H, slots, D): no copy
+    return flex_attention(q[:, :, None], k, v, block_mask=block_mask)[:, :, 0]
+
+
+@functools.cache
+def compiled_flex():
+    """Static shapes: flex_attention's decoding kernel needs the batch and heads fixed (else its general one)."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    return torch.compile(flex_paged_attend, dynamic=False)
+
+
 def attention_row(B, L, H=12, D=64, block_size=16):
-    """One layer's decode attention at batch B and context L, four ways -> [(ms, TB/s)]; each way's output is
-    checked against SDPA's."""
+    """One layer's decode attention at batch B and context L, five ways -> a cell for each, "ms, TB/s", each
+    way's output checked against SDPA's; then the flex candidate's block mask, built once a step, in ms."""
     W = L // block_size
     k_pool = torch.randn(B * W + 1, block_size, H, D, device="cuda", dtype=torch.bfloat16)
     v_pool = torch.randn_like(k_pool)
@@ -103,29 +149,40 @@ def attention_row(B, L, H=12, D=64, block_size=16):
         torch._dynamo.maybe_mark_dynamic(t, 0)
     torch._dynamo.maybe_mark_dynamic(table, 1)
     k, v = (gather_kv(pool, table).transpose(1, 2).contiguous() for pool in (k_pool, v_pool))  # (B, H, L, D)
+    mask = flex_block_mask(table, kv_len, len(k_pool), block_size)
+    flex_inputs = [t.detach() for t in (q, k_pool, v_pool)]  # new tensor objects: static, not marked dynamic
     ways = (
         lambda: compiled_gather_attend()(q, k_pool, v_pool, table, kv_len),
         lambda: compiled_split()(q, k_pool, v_pool, table, kv_len),
+        lambda: compiled_flex()(*flex_inputs, mask),
         lambda: attend(q[:, None], gather_kv(k_pool, table), gather_kv(v_pool, table), kv_len[:, None] - 1)[:, 0],
         lambda: F.scaled_dot_product_attention(q[:, :, None], k, v)[:, :, 0],
     )
     want = ways[-1]().float()
-    errors = [(way().float() - want).abs().max().item() for way in ways]
-    assert max(errors) < 0.05, errors
-    return [(ms, 2 * B * L * H * D * 2 / ms / 1e9) for ms in map(time_ms, ways)]
+    cells = []
+    for way in ways:
+        try:
+            error = (way().float() - want).abs().max().item()
+        except Exception as e:  # noqa: BLE001 -- a candidate that does not compile leaves the others' figures
+            cells.append(f"failed: {type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}")
+            continue
+        assert error < 0.05, error
+        ms = time_ms(way)
+        cells.append(f"{ms:.3f}, {2 * B * L * H * D * 2 / ms / 1e9:.2f}")
+    mask_ms = time_ms(lambda: flex_block_mask(table, kv_len, len(k_pool), block_size))
+    return cells + [f"{mask_ms:.3f}"]
 
 
 def attention_table(out):
     """Decode attention, one layer (12 heads x 64, bf16, blocks of 16 in random order): the engine's compiled
-    gather_attend, a split-by-block candidate and eager gather + SDPA, against SDPA over a contiguous cache;
-    K+V bytes / time."""
-    header = "gather_attend (compiled) | split by block (compiled) | gather + SDPA (eager) | SDPA contiguous"
-    say(f"| B | L | {header}: ms, TB/s each |", out)
-    say("|---|---|---|---|---|---|", out)
+    gather_attend, a split-by-block candidate, a flex_attention candidate reading the pool in place, and eager
+    gather + SDPA, against SDPA over a contiguous cache; K+V bytes / time."""
+    ways = "gather_attend (compiled) | split by block (compiled) | flex paged (compiled) | gather + SDPA (eager)"
+    say(f"| B | L | {ways} | SDPA contiguous: ms, TB/s each | flex mask ms |", out)
+    say("|---|---|---|---|---|---|---|---|", out)
     for B in (1, 16, 64, 256):
         for L in (1024, 4096):
-            cells = [f"{ms:.3f}, {tb_s:.2f}" for ms, tb_s in attention_row(B, L)]
-            say(f"| {B} | {L} | {' | '.join(cells)} |", out)
+            say(f"| {B} | {L} | {' | '.join(attention_row(B, L))} |", out)
             torch.cuda.empty_cache()
 
 
@@ -219,10 +276,61 @@ def run_hf(hf, prompts, news, **kw):
 
 
 def run_ours(engine, prompts, news):
+    """The requests on an idle engine whose prefix cache is emptied first: a run of the same prompts must not
+    find the last run's blocks -> (seconds, the outputs)."""
+    engine.allocator = BlockAllocator(engine.allocator.num_blocks, engine.block_size)  # nothing holds a block
     requests = [Request(p, m) for p, m in zip(prompts, news)]
     start = time.perf_counter()
     engine.run(requests)
     return time.perf_counter() - start, [r.generated for r in requests]
+
+
+def time_steps(engine):
+    """Time each step of the engine's runs from now on, in phases -> the list of (kind, phases) it fills, one a
+    step: kind "graph" where the step replayed a captured graph, else "eager"; phases in ms: before the forward
+    (plan, batch, staging), the forward's launch, sampling (with the wait for the device: the tokens come back to
+    the host), and the rest (bookkeeping), summing to the step's wall time."""
+    steps, marks = [], {}
+    step, forward, sample = engine.step, engine.forward, engine.sample
+
+    def timed_forward(batch):
+        marks["kind"] = "graph" if batch.padded_shape in engine.graphs else "eager"
+        marks["forward"] = time.perf_counter()
+        logits = forward(batch)
+        marks["launched"] = time.perf_counter()
+        return logits
+
+    def timed_sample(*args):
+        marks["sample"] = time.perf_counter()
+        tokens = sample(*args)
+        marks["sampled"] = time.perf_counter()
+        return tokens
+
+    def timed_step():
+        start = time.perf_counter()
+        step()
+        end = time.perf_counter()
+        m = marks
+        phases = m["forward"] - start, m["launched"] - m["forward"], m["sampled"] - m["sample"]
+        steps.append((m["kind"], [1e3 * t for t in (*phases, end - start - sum(phases))]))
+
+    engine.forward, engine.sample, engine.step = timed_forward, timed_sample, timed_step
+    return steps
+
+
+def breakdown_table(steps, out):
+    """Where a run's time went, by kind of step (time_steps)."""
+    total = sum(sum(phases) for _, phases in steps)
+    say(
+        "| steps | count | ms | share | ms a step | before the forward | forward launch | sampling + wait | rest |", out
+    )
+    say("|---|---|---|---|---|---|---|---|---|", out)
+    for kind in ("eager", "graph"):
+        rows = [phases for k, phases in steps if k == kind]
+        if rows:
+            ms = sum(map(sum, rows))
+            each = " | ".join(f"{sum(column) / len(rows):.2f}" for column in zip(*rows))
+            say(f"| {kind} | {len(rows)} | {ms:,.0f} | {ms / total:.0%} | {ms / len(rows):.2f} | {each} |", out)
 
 
 def e2e_table(out, repeats=3):
@@ -234,10 +342,15 @@ def e2e_table(out, repeats=3):
     start = time.perf_counter()
     engine = PagedEngine(model, block_size=16, compile="auto", **defaults)
     say(f"ours: {defaults}, {len(engine.graphs)} graphs captured in {time.perf_counter() - start:.1f} s", out)
-    run_ours(engine, warm_prompts, warm_news)  # other prompts: the prefix cache must not hit in the timed runs
+    run_ours(engine, warm_prompts, warm_news)
     # NOTE: ours runs first, then HF. Alternated, our run after HF's compiled static cache (torch.compile,
     # reduce-overhead) failed with an illegal memory access (H200, 2026-11-26)
     rows = {"ours": [run_ours(engine, prompts, news)[0] for _ in range(repeats)]}
+    steps = time_steps(engine)
+    run_ours(engine, prompts, news)
+    say("Where one more run of ours spent its time (each step timed in phases on the host):\n", out)
+    breakdown_table(steps, out)
+    say("", out)
     hf = hf_model(model, torch.bfloat16)
     start = time.perf_counter()
     run_hf(hf, prompts, news, cache_implementation="static")  # the timed shapes: nothing compiles while timed

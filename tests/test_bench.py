@@ -1,12 +1,15 @@
 """What the benchmarks claim about their own alternatives: the two-level top-k of bench/sampling.py is exact,
 and bench/archive/compile_graph.py's one-graph forward computes what the engine computes."""
 
+import time
+
 import pytest
 import torch
 import torch._inductor.config
 from conftest import make_requests, run_engine
 
 from bench.sampling import two_level_topk
+from paged import gather_attend
 from scheduler import PagedEngine
 
 
@@ -96,3 +99,60 @@ def test_ragged_decode_attention_equals_the_engines_gather_attend():
         expected = gather_attend(q, k_pool, v_pool, table, kv_len)
         got = ragged_gather_attend(q, k_pool, v_pool, *ragged_tables(table, kv_len))
         torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 16])
+def test_flex_paged_candidate_reads_each_rows_own_keys(block_size):
+    """bench/gpu.py's flex_attention candidate: eager, where mask_mod masks every key, it attends as gather_attend
+    does, in float64; and its block mask, as flex's kernel reads it (whole blocks unmasked, mask_mod only in the
+    partial ones), names exactly each row's first kv_len keys, whatever stale ids sit past a row's blocks."""
+    from bench.gpu import flex_block_mask, flex_paged_attend
+
+    g = torch.Generator().manual_seed(block_size)
+    B, W, H, D, num_pool_blocks = 6, 5, 3, 8, 40
+    k_pool, v_pool = (torch.randn(num_pool_blocks, block_size, H, D, dtype=torch.float64, generator=g) for _ in "kv")
+    table = torch.randperm(num_pool_blocks - 1, generator=g)[: B * W].view(B, W).int()
+    kv_len = torch.randint(1, W * block_size + 1, (B,), generator=g)
+    kv_len[0] = W * block_size  # every block whole
+    kv_len[1] = 1
+    table[1, 1:] = table[1, 0]  # a stale entry that names the row's own block again
+    mask = flex_block_mask(table, kv_len, num_pool_blocks, block_size)
+    q = torch.randn(B, H, D, dtype=torch.float64, generator=g)
+    assert torch.allclose(flex_paged_attend(q, k_pool, v_pool, mask), gather_attend(q, k_pool, v_pool, table, kv_len))
+    for b in range(B):
+        read = set()
+        for j in mask.full_kv_indices[b, 0, 0, : mask.full_kv_num_blocks[b, 0, 0]].tolist():
+            read |= set(range(j * block_size, (j + 1) * block_size))
+        for j in mask.kv_indices[b, 0, 0, : mask.kv_num_blocks[b, 0, 0]].tolist():
+            keys = torch.arange(j * block_size, (j + 1) * block_size)
+            read |= {k for k in keys.tolist() if mask.mask_mod(torch.tensor(b), 0, 0, torch.tensor(k))}
+        slots = table[b].long()[:, None] * block_size + torch.arange(block_size)  # (W, block_size)
+        assert read == set(slots.flatten()[: kv_len[b]].tolist())
+
+
+def test_gpu_bench_times_each_step_and_runs_each_repeat_without_the_last_ones_prefix_blocks(model, monkeypatch):
+    """bench/gpu.py's end to end: a repeat of the same prompts on one engine finds no block of the last run in the
+    prefix cache (its blocks would skip prefill), gives the same tokens, and time_steps times every step, its
+    phases summing to the step's wall time."""
+    from bench import gpu
+    from paged import BlockAllocator
+
+    hits = []
+    lookup = BlockAllocator.lookup
+    monkeypatch.setattr(BlockAllocator, "lookup", lambda self, *a: hits.append(lookup(self, *a)) or hits[-1])
+    engine = PagedEngine(model, num_blocks=60, block_size=4, token_budget=32)
+    prompts, news = [list(range(1, 30)), [5] * 9, list(range(40, 60))], [6, 9, 4]
+    _, first = gpu.run_ours(engine, prompts, news)
+    batches = []
+    make_batch = engine.make_batch
+    engine.make_batch = lambda *args: batches.append(make_batch(*args)) or batches[-1]
+    steps = gpu.time_steps(engine)
+    start = time.perf_counter()
+    _, again = gpu.run_ours(engine, prompts, news)
+    wall_ms = (time.perf_counter() - start) * 1e3
+    assert again == first
+    assert len(hits) == 6 and all(h is None for h in hits)  # each run: one lookup a prompt, a miss
+    assert len(steps) == len(batches) >= max(news)
+    assert {kind for kind, _ in steps} == {"eager"}  # no graphs on a CPU
+    assert all(len(phases) == 4 and min(phases) >= 0 for _, phases in steps)
+    assert 0.8 * wall_ms < sum(map(sum, (phases for _, phases in steps))) <= wall_ms
