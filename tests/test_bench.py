@@ -1,6 +1,7 @@
 """What the benchmarks claim about their own alternatives: the two-level top-k of bench/sampling.py is exact,
 and bench/archive/compile_graph.py's one-graph forward computes what the engine computes."""
 
+import random
 import time
 
 import pytest
@@ -9,7 +10,7 @@ import torch._inductor.config
 from conftest import make_requests, run_engine
 
 from bench.sampling import two_level_topk
-from paged import gather_attend
+from paged import blocks_for, gather_attend
 from scheduler import PagedEngine
 
 
@@ -156,3 +157,33 @@ def test_gpu_bench_times_each_step_and_runs_each_repeat_without_the_last_ones_pr
     assert {kind for kind, _ in steps} == {"eager"}  # no graphs on a CPU
     assert all(len(phases) == 4 and min(phases) >= 0 for _, phases in steps)
     assert 0.8 * wall_ms < sum(map(sum, (phases for _, phases in steps))) <= wall_ms
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 16])
+def test_flex_candidate_in_whole_padded_steps_gives_the_engines_tokens_under_preemption(model, monkeypatch, block_size):
+    """bench/gpu.py's FlexBatch, in every padded decode step of an engine (eager flex on the CPU, as its compiled
+    form refuses the mask there): samples, beams and preemption give the engine's own tokens, in float64."""
+    from test_decode_graphs import mixed_requests
+
+    from bench import gpu
+
+    monkeypatch.setattr(gpu, "compiled_flex", lambda: gpu.flex_paged_attend)
+    rng = random.Random(block_size)
+    prompts = [[rng.randrange(300) for _ in range(rng.randint(1, 20))] for _ in range(9)]
+    num_blocks = 3 * blocks_for(20 + 12, block_size) + 4  # preempts: a beam group of the longest prompt, and 4
+    outputs, flex_steps = {}, []
+    attend = gpu.FlexBatch.attend_one_token
+    monkeypatch.setattr(
+        gpu.FlexBatch, "attend_one_token", lambda b, *a: flex_steps.append(b.padded_shape) or attend(b, *a)
+    )
+    for compile in ["off", "graph"]:
+        with gpu.flex_batches():
+            engine = PagedEngine(
+                model, num_blocks=num_blocks, block_size=block_size, token_budget=16, max_batch=12, compile=compile
+            )
+            requests = mixed_requests(prompts)
+            run_engine(engine, requests, check=True)
+        outputs[compile] = [[s.generated for s in r.sequences] for r in requests]
+        assert engine.meter.num_preemptions > 0
+    assert outputs["graph"] == outputs["off"]
+    assert sum(shape is not None for shape in flex_steps) > 10  # padded steps that went through flex
