@@ -103,9 +103,12 @@ def flex_block_mask(block_table, kv_len, num_pool_blocks, block_size):
     B, W = block_table.shape
     logical = torch.arange(W, device=block_table.device)
     num_blocks = -(-kv_len // block_size)  # (B,)
-    table = torch.where(logical < num_blocks[:, None], block_table.long(), num_pool_blocks - 1)  # stale: padding
-    place = torch.full((B, num_pool_blocks), -1, device=block_table.device, dtype=torch.long)
-    place.scatter_(1, table, logical.expand(B, W).contiguous())  # (B, pool blocks): its index in row b, or -1
+    held = logical < num_blocks[:, None]  # (B, W)
+    table = torch.where(held, block_table.long(), num_pool_blocks - 1)  # stale entries: the padding block
+    # (B, pool blocks + 1): each block's index in row b, or -1; entries past a row's blocks land in the extra
+    # column, so that none overwrites a block the row holds (a padding row holds the padding block)
+    place = torch.full((B, num_pool_blocks + 1), -1, device=block_table.device, dtype=torch.long)
+    place.scatter_(1, torch.where(held, table, num_pool_blocks), logical.expand(B, W).contiguous())
     whole = kv_len // block_size  # (B,)
     last = table.gather(1, whole.clamp(max=W - 1)[:, None])  # (B, 1) the partly filled block, if there is one
 

@@ -117,6 +117,7 @@ def test_flex_paged_candidate_reads_each_rows_own_keys(block_size):
     kv_len[0] = W * block_size  # every block whole
     kv_len[1] = 1
     table[1, 1:] = table[1, 0]  # a stale entry that names the row's own block again
+    table[2], kv_len[2] = num_pool_blocks - 1, 1  # a padding row: one key, in the padding block, named W times
     mask = flex_block_mask(table, kv_len, num_pool_blocks, block_size)
     q = torch.randn(B, H, D, dtype=torch.float64, generator=g)
     assert torch.allclose(flex_paged_attend(q, k_pool, v_pool, mask), gather_attend(q, k_pool, v_pool, table, kv_len))
