@@ -27,6 +27,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import scheduler
+from bench.async_step import AsyncPagedEngine
 from engine import PlanEntry, Sampler
 from model import GPT, GPTConfig, attend
 from paged import BlockAllocator, PagedBatch, blocks_for, compiled_gather_attend, gather_kv
@@ -362,42 +363,57 @@ def breakdown_table(steps, out):
             say(f"| {kind} | {len(rows)} | {ms:,.0f} | {ms / total:.0%} | {ms / len(rows):.2f} | {each} |", out)
 
 
+# candidates beside ours end to end: (engine class, the context its batches are made in)
+CANDIDATES = {
+    "ours, async scheduling": (AsyncPagedEngine, contextlib.nullcontext),
+    "ours, flex decode attention": (PagedEngine, flex_batches),
+    "ours, async scheduling + flex": (AsyncPagedEngine, flex_batches),
+}
+
+
 def e2e_table(out, repeats=3):
     """256 requests of 16-512 random prompt tokens and 16-256 new (seed 1), bf16, greedy, warm; useful tokens/s:
-    ours, where its time goes, ours with the flex candidate in its captured decode steps, HF static and dynamic."""
+    ours, where its time goes, the candidates (async scheduling, flex decode attention, both), HF static and
+    dynamic."""
     model = gpt2_small(torch.bfloat16)
     prompts, news = workload(1)
     warm_prompts, warm_news = workload(2)
     defaults = cuda_defaults(model, 16, sum(blocks_for(len(p) + n, 16) for p, n in zip(prompts, news)))
-    start = time.perf_counter()
-    engine = PagedEngine(model, block_size=16, compile="auto", **defaults)
-    say(f"ours: {defaults}, {len(engine.graphs)} graphs captured in {time.perf_counter() - start:.1f} s", out)
-    run_ours(engine, warm_prompts, warm_news)
+    engines = {}  # name -> (engine, the context its batches are made in)
+    for name, (engine_class, batches) in {"ours": (PagedEngine, contextlib.nullcontext), **CANDIDATES}.items():
+        try:  # a candidate that fails to compile or capture leaves the other rows
+            with batches():
+                start = time.perf_counter()
+                engines[name] = engine_class(model, block_size=16, compile="auto", **defaults), batches
+                captured = f"{len(engines[name][0].graphs)} graphs captured in {time.perf_counter() - start:.1f} s"
+                say(f"{name}: {f'{defaults}, ' if name == 'ours' else ''}{captured}", out)
+                run_ours(engines[name][0], warm_prompts, warm_news)
+        except Exception:  # noqa: BLE001
+            engines.pop(name, None)
+            say(f"{name}:\n```\n{traceback.format_exc()}```", out)
     # NOTE: ours runs first, then HF. Alternated, our run after HF's compiled static cache (torch.compile,
     # reduce-overhead) failed with an illegal memory access (H200, 2026-11-26)
-    runs = [run_ours(engine, prompts, news) for _ in range(repeats)]
-    rows = {"ours": [seconds for seconds, _ in runs]}
+    runs = {name: [] for name in engines}
+    for _ in range(repeats):  # alternated, so that a drift in the machine's speed touches each alike
+        for name, (engine, batches) in list(engines.items()):
+            try:
+                with batches():
+                    runs[name].append(run_ours(engine, prompts, news))
+            except Exception:  # noqa: BLE001
+                del engines[name], runs[name]
+                say(f"{name}:\n```\n{traceback.format_exc()}```", out)
+    for name in runs:
+        same = sum(a == b for a, b in zip(runs[name][0][1], runs["ours"][0][1]))
+        say(f"{name}: the same tokens as ours in {same} of {len(prompts)} requests (bf16)", out)
+    rows = {name: [seconds for seconds, _ in name_runs] for name, name_runs in runs.items()}
+    engine = engines["ours"][0]
     steps = time_steps(engine)
     run_ours(engine, prompts, news)
-    say("Where one more run of ours spent its time (each step timed in phases on the host):\n", out)
+    say("\nWhere one more run of ours spent its time (each step timed in phases on the host):\n", out)
     breakdown_table(steps, out)
     say("", out)
-    try:  # the candidate: a failure to compile or capture leaves the other rows
-        with flex_batches():
-            start = time.perf_counter()
-            flex = PagedEngine(model, block_size=16, compile="auto", **defaults)
-            say(
-                f"ours, flex decode attention: {len(flex.graphs)} graphs captured in {time.perf_counter() - start:.1f} s",
-                out,
-            )
-            run_ours(flex, warm_prompts, warm_news)
-            flex_runs = [run_ours(flex, prompts, news) for _ in range(repeats)]
-        rows["ours, flex decode attention"] = [seconds for seconds, _ in flex_runs]
-        same = sum(a == b for a, b in zip(flex_runs[0][1], runs[0][1]))
-        say(f"ours, flex decode attention: the same tokens as ours in {same} of {len(prompts)} requests (bf16)\n", out)
-        del flex
-    except Exception:  # noqa: BLE001
-        say("```\n" + traceback.format_exc() + "```", out)
+    del engines, engine
+    torch.cuda.empty_cache()
     hf = hf_model(model, torch.bfloat16)
     start = time.perf_counter()
     run_hf(hf, prompts, news, cache_implementation="static")  # the timed shapes: nothing compiles while timed

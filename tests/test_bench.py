@@ -8,10 +8,12 @@ import pytest
 import torch
 import torch._inductor.config
 from conftest import make_requests, run_engine
+from test_eos import common_token
 
 from bench.sampling import two_level_topk
 from paged import blocks_for, gather_attend
 from scheduler import PagedEngine
+from sequence import Request, RequestStatus, SamplingParams
 
 
 @pytest.mark.parametrize("vocab", [50304, 50257, 3300, 100])
@@ -188,3 +190,79 @@ def test_flex_candidate_in_whole_padded_steps_gives_the_engines_tokens_under_pre
         assert engine.meter.num_preemptions > 0
     assert outputs["graph"] == outputs["off"]
     assert sum(shape is not None for shape in flex_steps) > 10  # padded steps that went through flex
+
+
+def async_workload(eos=None):
+    """Greedy requests, n = 3 samples with top-k, and one-token requests, all with eos."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(300) for _ in range(rng.randint(2, 20))] for _ in range(10)]
+    news = [rng.randint(8, 30) for _ in prompts]
+    params = [SamplingParams(eos=eos) for _ in range(4)]
+    params += [SamplingParams(temperature=1.0, top_k=40, seed=i, n=3, eos=eos) for i in range(4)]
+    params += [SamplingParams(eos=eos)] * 2
+    news[-2:] = [1, 1]
+    return [Request(p, n, sp) for p, n, sp in zip(prompts, news, params)]
+
+
+def count_late_tokens(engine):
+    """Wrap the candidate's resolve: -> a list that gets, for each call, whether the tokens it brings to the host
+    were still on the device when the next step launched (a step ran while they were in flight). And check what
+    the candidate relies on: no sequence is preempted while tokens are in flight, and a request finishes with
+    every token on the host (a placeholder is negative)."""
+    late, resolve, preempt, finish = [], engine.resolve, engine.preempt, engine.finish
+
+    def preempt_none_in_flight(group):
+        assert engine.pending is None, "preempted while tokens are in flight"
+        preempt(group)
+
+    def finish_with_every_token(r, now):
+        assert all(t >= 0 for s in r.sequences for t in s.tokens), "a request finished before its tokens came"
+        finish(r, now)
+
+    engine.resolve = lambda: late.append(engine.pending is not None and bool(engine.running)) or resolve()
+    engine.preempt, engine.finish = preempt_none_in_flight, finish_with_every_token
+    return late
+
+
+@pytest.mark.parametrize(
+    "num_blocks,block_size,compile,preempts", [(400, 4, "off", False), (60, 1, "graph", True), (26, 4, "graph", True)]
+)
+def test_async_candidate_gives_the_engines_tokens(model, num_blocks, block_size, compile, preempts):
+    """bench/async_step.py: with each step's tokens left on the device until the next step is launched, every
+    sequence's tokens are the engine's own, in float64, for greedy and sampled requests, eos one step late,
+    one-token requests, later arrivals, padded steps, and a pool that preempts (where it waits for the tokens
+    first); every block comes back."""
+    from bench.async_step import AsyncPagedEngine
+
+    kw = dict(num_blocks=num_blocks, block_size=block_size, token_budget=16, max_batch=12, compile=compile)
+    arrivals = [0, 0, 0, 2, 2, 5, 9, 9, 14, 14]
+    sync = async_workload()
+    run_engine(PagedEngine(model, **kw), sync, arrivals)
+    eos = common_token([s.generated for r in sync for s in r.sequences])
+    outputs, counts = {}, {}
+    for cls in (PagedEngine, AsyncPagedEngine):
+        engine = cls(model, **kw)
+        requests = async_workload(eos)
+        late = count_late_tokens(engine) if cls is AsyncPagedEngine else []
+        run_engine(engine, requests, arrivals, check=True)
+        outputs[cls] = [[s.generated for s in r.sequences] for r in requests]
+        counts[cls] = (len(engine.finished), engine.allocator.num_free(), engine.meter.num_preemptions)
+        assert all(r.status is RequestStatus.DONE and r.done_at >= r.first_token_at for r in requests)
+    assert outputs[AsyncPagedEngine] == outputs[PagedEngine]
+    assert any(len(o) < r.max_new_tokens for r, out in zip(requests, outputs[PagedEngine]) for o in out)  # eos hit
+    assert counts[AsyncPagedEngine][:2] == counts[PagedEngine][:2] == (len(requests), num_blocks)
+    assert sum(late) > 20
+    assert (counts[AsyncPagedEngine][2] > 0) == (counts[PagedEngine][2] > 0) == preempts
+
+
+def test_async_candidate_steps_beams_in_the_engines_order(model):
+    """With a beam group live, the candidate waits for each step's tokens, as beams need their log-probabilities
+    on the host: beams and the requests beside them give the engine's tokens."""
+    from bench.async_step import AsyncPagedEngine
+
+    outputs = []
+    for cls in (PagedEngine, AsyncPagedEngine):
+        requests = async_workload()[:4] + [Request([3, 1, 4, 1, 5], 9, SamplingParams(num_beams=3))]
+        run_engine(cls(model, num_blocks=200, block_size=4, token_budget=16, max_batch=12), requests, [0, 0, 3, 3, 6])
+        outputs.append([[s.generated for s in r.sequences] for r in requests])
+    assert outputs[0] == outputs[1]

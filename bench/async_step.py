@@ -1,0 +1,116 @@
+"""A candidate, not in the engine: vLLM V1's async scheduling on the paged engine. A step's sampled tokens stay
+on the device while the next step is planned, built and launched; only then does the host wait for them. On a
+GPU the host's work for step n + 1 (plan, batch, staging, launch) and its bookkeeping of step n then run while
+the device runs, so that a step costs the larger of the two instead of their sum. On a CPU nothing overlaps
+(the forward runs on the calling thread), but the tokens are the same, which tests/test_bench.py checks.
+
+How a token that is not on the host yet is used:
+- each sampler's sequence gets a placeholder token, -1 - j for sampler j, at once; the next step's batch
+  stages it as it is, and one device op swaps every negative id for the pending step's token j;
+- a sequence whose placeholder is its max_new_tokens-th token stops at once, as no later step needs it;
+- a sequence that sampled eos learns it one step late: it ran one more step, whose token is dropped.
+A step falls back to the engine's own order (tokens on the host before the bookkeeping) when a beam group is
+live, as beams need their log-probabilities on the host, and waits for the pending tokens first when the pool
+could run short, as preempting a sequence whose token is in flight is not handled.
+"""
+
+import torch
+
+from engine import Engine
+from sampling import sample
+from scheduler import PagedEngine
+from sequence import SequenceStatus
+
+
+class AsyncPagedEngine(PagedEngine):
+    def __init__(self, model, **kw):
+        super().__init__(model, **kw)
+        # the last step's tokens not yet on the host: (samplers, device tokens, host copy, its event, placeholder
+        # index of each sampler in its sequence's tokens)
+        self.pending = None
+
+    def beams_live(self):
+        return any(s.request.params.num_beams > 1 for s in self.running + list(self.waiting))
+
+    @torch.no_grad()
+    def step(self):
+        # a decode step takes at most one new block for each running sequence (prefill's are taken at admission)
+        if self.pending and (self.beams_live() or self.allocator.num_free() < len(self.running)):
+            self.resolve()
+        if self.beams_live():
+            return Engine.step(self)
+        plan = self.schedule()
+        if not plan:
+            raise RuntimeError(f"no progress: {len(self.waiting)} waiting, {len(self.running)} running")
+        plan.sort(key=lambda e: e.num_tokens > 1)
+        self.notify("planned", plan)
+        samplers = self.assign_samplers(plan)
+        batch = self.make_batch(plan, samplers)
+        if self.pending:  # placeholders -> the pending step's tokens, on the device
+            last = self.pending[1]
+            batch.idx.copy_(torch.where(batch.idx < 0, last[(-1 - batch.idx).clamp(min=0)], batch.idx))
+        logits = self.forward(batch)[: len(samplers)]
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        logits[:, self.vocab_size :] = float("-inf")
+        tokens = self.sample_on_device(logits, batch, samplers)
+        cuda = tokens.is_cuda
+        host = torch.empty(len(samplers), dtype=torch.long, pin_memory=cuda)
+        host.copy_(tokens, non_blocking=True)
+        event = torch.cuda.Event() if cuda else None
+        if event:
+            event.record()
+        positions = []
+        for j, (s, _) in enumerate(samplers):
+            s.status = SequenceStatus.DECODING
+            s.tokens.append(-1 - j)
+            positions.append(len(s.tokens) - 1)
+        self.resolve()  # the step before's tokens: on a GPU, this step runs meanwhile
+        self.pending = (samplers, tokens, host, event, positions) if samplers else None
+        self.mark_computed([e for e in plan if e.sequence.status is not SequenceStatus.DONE])
+        self.give_forks_kv(plan, samplers)
+        for s, _ in samplers:
+            if s.status is not SequenceStatus.DONE and len(s.generated) == s.request.max_new_tokens:
+                self.stop(s, SequenceStatus.DONE)
+        if not self.running and not self.waiting:  # nothing will step again: the tokens are needed now
+            self.resolve()
+        self.notify("sampled", plan)
+        self.notify("stepped")
+
+    def sample_on_device(self, logits, batch, samplers):
+        """Engine.sample's draw, its tokens left on the device: (S,)."""
+        cuts = [s.request.params.cut(self.vocab_size) for s, _ in samplers if s.request.params.temperature > 0]
+        rows = batch.sample_rows
+        return sample(
+            logits,
+            temperature=self.temperature[rows],
+            top_k=self.top_k[rows],
+            seed=self.seed[rows],
+            position=batch.sample_pos,
+            max_top_k=max(filter(None, cuts), default=0),
+            uncut=None in cuts,
+        )
+
+    def resolve(self):
+        """The pending step's tokens take their placeholders' places; a sequence that sampled eos stops (its
+        next step's token, if it ran, dropped), and a request whose sequences are all done finishes."""
+        if self.pending is None:
+            return
+        samplers, _, host, event, positions = self.pending
+        self.pending = None
+        if event:
+            event.synchronize()
+        now = self.clock.now()
+        for (s, _), position, token in zip(samplers, positions, host.tolist()):
+            if position >= len(s.tokens):  # it sampled eos the step before: this row's token is dropped
+                continue
+            s.tokens[position] = token
+            r = s.request
+            if r.first_token_at is None:
+                r.first_token_at = now
+            if token == r.params.eos and s.status is not SequenceStatus.DONE:
+                del s.tokens[position + 1 :]  # the placeholder of a step that ran after it
+                self.stop(s, SequenceStatus.DONE)
+        for r in dict.fromkeys(s.request for s, _ in samplers):  # NOTE: a sequence stops at max_new_tokens only
+            # after this, in the step that set its last placeholder, so every done sequence's tokens are here
+            if r.done_at is None and all(x.status is SequenceStatus.DONE for x in r.sequences):
+                self.finish(r, now)
