@@ -8,7 +8,10 @@ import pytest
 import torch
 import torch._inductor.config
 from conftest import make_requests, run_engine
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from test_eos import common_token
+from test_robust import workloads
 
 from bench.sampling import two_level_topk
 from paged import blocks_for, gather_attend
@@ -266,3 +269,29 @@ def test_async_candidate_steps_beams_in_the_engines_order(model):
         run_engine(cls(model, num_blocks=200, block_size=4, token_budget=16, max_batch=12), requests, [0, 0, 3, 3, 6])
         outputs.append([[s.generated for s in r.sequences] for r in requests])
     assert outputs[0] == outputs[1]
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(w=workloads(), eos_pick=st.integers(0, 10**6), swap=st.booleans(), compile=st.sampled_from(["off", "graph"]))
+def test_async_candidate_matches_the_engine_on_random_workloads(model, w, eos_pick, swap, compile):
+    """The candidate against the engine on test_robust's random workloads, with an eos drawn from the engine's
+    own output (so that some sequences stop early), swap or recompute preemption, and padded steps or not:
+    the same tokens, the invariants after every step, and no preemption with a token in flight."""
+    from bench.async_step import AsyncPagedEngine
+
+    sizes = {name: w[name] for name in ("num_blocks", "block_size", "token_budget", "max_batch", "prefix_cache")}
+    sizes.update(compile=compile, swap_blocks=w["num_blocks"] // 2 if swap else 0)
+
+    def requests(eos):
+        params = [
+            SamplingParams(temperature=w["temperature"], top_k=40, seed=i, eos=eos) for i in range(len(w["news"]))
+        ]
+        return [Request(p, n, sp) for p, n, sp in zip(w["prompts"], w["news"], params)]
+
+    free = [t for out in run_engine(PagedEngine(model, **sizes), requests(None), w["arrivals"]) for t in out]
+    eos = free[eos_pick % len(free)]
+    want = run_engine(PagedEngine(model, **sizes), requests(eos), w["arrivals"])
+    engine = AsyncPagedEngine(model, **sizes)
+    count_late_tokens(engine)
+    assert run_engine(engine, requests(eos), w["arrivals"], check=True) == want
+    assert engine.allocator.num_free() == w["num_blocks"] and engine.pending is None
