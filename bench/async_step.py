@@ -37,6 +37,8 @@ class AsyncPagedEngine(PagedEngine):
         # a decode step takes at most one new block for each running sequence (prefill's are taken at admission)
         if self.pending and (self.beams_live() or self.allocator.num_free() < len(self.running)):
             self.resolve()
+            if not self.running and not self.waiting:  # the last sequences sampled eos
+                return
         if self.beams_live():
             return Engine.step(self)
         plan = self.schedule()
