@@ -9,7 +9,10 @@ batch of one-token rows, each over its own context in a pool of 16-token blocks,
   ragged     not in the engine: each row's real blocks only, as pairs (block, row), each block reduced on
              its own, then each row's blocks combined; its tables are built on the host, timed apart;
   flat       the same as it was before: the values summed over all of a row's keys at once;
-  eager      the engine's eager path: gather whole blocks (a copy), then SDPA.
+  eager      the engine's eager path: gather whole blocks (a copy), then SDPA;
+  flex       not in the engine: bench/gpu.py's flex_attention candidate, compiled, the block table as its
+             block mask (built once a step, timed apart); inductor's CPU template takes it with a 4-D query
+             and a mask as wide as the pool (it refuses one narrower than the keys).
 
 Each context is run twice: every row at the same length (decode: all sequences started together), and rows
 spread evenly from --shortest (a share, half by default) of the length to the whole (mixed: the batch's
@@ -27,9 +30,11 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from batch import attend
+from bench.gpu import flex_block_mask
 from bench.vllm_compare import cpu_line, read_bandwidth
 from paged import blocks_for, gather_attend, gather_kv
 
@@ -87,6 +92,30 @@ def eager_attend(q, k_pool, v_pool, block_table, kv_len):
     k = gather_kv(k_pool, block_table)  # (B, L, H, D)
     v = gather_kv(v_pool, block_table)
     return attend(q[:, None], k, v, kv_len[:, None] - 1)[:, 0]
+
+
+def flex_inputs(q, k_pool, v_pool, table, kv_len):
+    """bench/gpu.py's flex candidate's arguments, in the form inductor's CPU template takes: a 4-D query buffer,
+    and the block mask widened to the pool's blocks. Host and tensor work, once a step for every layer."""
+    mask = flex_block_mask(table, kv_len, len(k_pool), BLOCK_SIZE)
+    wide = [F.pad(t, (0, len(k_pool) - t.shape[-1])) for t in (mask.kv_indices, mask.full_kv_indices)]
+    mask = BlockMask.from_kv_blocks(
+        mask.kv_num_blocks,
+        wide[0],
+        mask.full_kv_num_blocks,
+        wide[1],
+        BLOCK_SIZE=mask.BLOCK_SIZE,
+        mask_mod=mask.mask_mod,
+        seq_lengths=mask.seq_lengths,
+        compute_q_blocks=False,
+    )
+    return q[:, :, None].contiguous(), k_pool, v_pool, mask
+
+
+def flex_attend(q, k_pool, v_pool, block_mask):
+    """q (B, H, 1, D) -> (B, H, D), through flex_attention over the pool read in place."""
+    k, v = (pool.flatten(0, 1).transpose(0, 1)[None] for pool in (k_pool, v_pool))  # (1, H, slots, D)
+    return flex_attention(q, k, v, block_mask=block_mask)[:, :, 0]
 
 
 def compiled(fn):
@@ -149,6 +178,8 @@ def main():
     print(f"read bandwidth: {bandwidth:.1f} GB/s (a float32 sum over 256 MB, median of 7)")
     paths = {"compiled": compiled(gather_attend), "ragged": compiled(ragged_gather_attend)}
     paths.update(flat=compiled(flat_gather_attend), eager=eager_attend)
+    torch._dynamo.config.recompile_limit = 64  # flex compiles each case's shapes: its decoding kernel wants them static
+    paths["flex"] = torch.compile(flex_attend, dynamic=False)
     for context in map(int, args.contexts.split(",")):
         for spread in (False, True):
             inputs = case(args.batch, context, spread, dtype, args.shortest)
@@ -156,14 +187,17 @@ def main():
             reference = paths["compiled"](*inputs)
             tables = ragged_tables(*inputs[3:])
             host = median_call(ragged_tables, inputs[3:], args.rounds)
+            flex_args = flex_inputs(*inputs)
+            flex_host = median_call(flex_inputs, inputs, args.rounds)
             shortest = f"{int(context * args.shortest)} to " if spread else ""
             label = f"{args.batch} rows, {shortest}{context} keys"
             print(
                 f"--- {label}: {needed / 1e6:,.1f} MB of K/V needed; median of {args.rounds} rounds of 20 calls; "
-                f"ragged's tables on the host {host * 1e3:.3f} ms, once a step for every layer"
+                f"ragged's tables on the host {host * 1e3:.3f} ms, flex's mask {flex_host * 1e3:.3f} ms, once a step "
+                "for every layer"
             )
             for name, fn in paths.items():
-                args_in = (*inputs[:3], *tables) if name == "ragged" else inputs
+                args_in = dict(ragged=(*inputs[:3], *tables), flex=flex_args).get(name, inputs)
                 torch.testing.assert_close(fn(*args_in), reference, atol=2e-2, rtol=2e-2)
                 seconds = median_call(fn, args_in, args.rounds)
                 rate = needed / seconds / 1e9

@@ -295,3 +295,12 @@ def test_async_candidate_matches_the_engine_on_random_workloads(model, w, eos_pi
     count_late_tokens(engine)
     assert run_engine(engine, requests(eos), w["arrivals"], check=True) == want
     assert engine.allocator.num_free() == w["num_blocks"] and engine.pending is None
+
+
+def test_decode_attention_bench_gives_flex_the_engines_attention_in_the_cpu_form():
+    """bench/decode_attention.py's flex path, in the form inductor's CPU template takes (a 4-D query, the mask as
+    wide as the pool), attends as the engine's gather_attend does, rows of different lengths included (eager)."""
+    from bench.decode_attention import case, flex_attend, flex_inputs
+
+    inputs = case(6, 40, True, torch.float64)
+    torch.testing.assert_close(flex_attend(*flex_inputs(*inputs)), gather_attend(*inputs))
