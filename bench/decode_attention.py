@@ -98,12 +98,9 @@ def flex_inputs(q, k_pool, v_pool, table, kv_len):
     """bench/gpu.py's flex candidate's arguments, in the form inductor's CPU template takes: a 4-D query buffer,
     and the block mask widened to the pool's blocks. Host and tensor work, once a step for every layer."""
     mask = flex_block_mask(table, kv_len, len(k_pool), BLOCK_SIZE)
-    wide = [F.pad(t, (0, len(k_pool) - t.shape[-1])) for t in (mask.kv_indices, mask.full_kv_indices)]
     mask = BlockMask.from_kv_blocks(
         mask.kv_num_blocks,
-        wide[0],
-        mask.full_kv_num_blocks,
-        wide[1],
+        F.pad(mask.kv_indices, (0, len(k_pool) - mask.kv_indices.shape[-1])),
         BLOCK_SIZE=mask.BLOCK_SIZE,
         mask_mod=mask.mask_mod,
         seq_lengths=mask.seq_lengths,

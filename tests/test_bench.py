@@ -111,7 +111,8 @@ def test_ragged_decode_attention_equals_the_engines_gather_attend():
 def test_flex_paged_candidate_reads_each_rows_own_keys(block_size):
     """bench/gpu.py's flex_attention candidate: eager, where mask_mod masks every key, it attends as gather_attend
     does, in float64; and its block mask, as flex's kernel reads it (whole blocks unmasked, mask_mod only in the
-    partial ones), names exactly each row's first kv_len keys, whatever stale ids sit past a row's blocks."""
+    partial ones), names exactly each row's first kv_len keys, whatever stale ids sit past a row's blocks, in the
+    layout flex's decoding kernel reads: whole blocks' indices, if any, laid out as the partial ones'."""
     from bench.gpu import flex_block_mask, flex_paged_attend
 
     g = torch.Generator().manual_seed(block_size)
@@ -126,9 +127,12 @@ def test_flex_paged_candidate_reads_each_rows_own_keys(block_size):
     mask = flex_block_mask(table, kv_len, num_pool_blocks, block_size)
     q = torch.randn(B, H, D, dtype=torch.float64, generator=g)
     assert torch.allclose(flex_paged_attend(q, k_pool, v_pool, mask), gather_attend(q, k_pool, v_pool, table, kv_len))
+    assert mask.kv_indices.shape == (B, 1, 1, W) and mask.kv_indices.is_contiguous()
+    whole = mask.full_kv_indices
+    assert whole is None or (whole.shape, whole.stride()) == (mask.kv_indices.shape, mask.kv_indices.stride())
     for b in range(B):
         read = set()
-        for j in mask.full_kv_indices[b, 0, 0, : mask.full_kv_num_blocks[b, 0, 0]].tolist():
+        for j in [] if whole is None else whole[b, 0, 0, : mask.full_kv_num_blocks[b, 0, 0]].tolist():
             read |= set(range(j * block_size, (j + 1) * block_size))
         for j in mask.kv_indices[b, 0, 0, : mask.kv_num_blocks[b, 0, 0]].tolist():
             keys = torch.arange(j * block_size, (j + 1) * block_size)
@@ -304,3 +308,53 @@ def test_decode_attention_bench_gives_flex_the_engines_attention_in_the_cpu_form
 
     inputs = case(6, 40, True, torch.float64)
     torch.testing.assert_close(flex_attend(*flex_inputs(*inputs)), gather_attend(*inputs))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flex_candidate_compiled_on_cuda_attends_as_gather_attend(dtype):
+    """bench/gpu.py's flex candidate as its GPU kernel runs it (compiled, static shapes: flex's decoding kernel)
+    against gather_attend, at 1, 2 and 16 rows of spread lengths, stale table entries and a padding row."""
+    from bench.gpu import compiled_flex, flex_block_mask
+
+    g = torch.Generator().manual_seed(0)
+    W, block_size, H, D = 8, 16, 12, 64
+    for B in (1, 2, 16):
+        num_pool_blocks = B * W + 1
+        k_pool, v_pool = (torch.randn(num_pool_blocks, block_size, H, D, generator=g).to("cuda", dtype) for _ in "kv")
+        table = torch.randperm(num_pool_blocks - 1, generator=g)[: B * W].view(B, W).int()
+        kv_len = torch.randint(1, W * block_size + 1, (B,), generator=g)
+        if B > 1:
+            table[-1], kv_len[-1] = num_pool_blocks - 1, 1  # a padding row
+        table, kv_len = table.cuda(), kv_len.cuda()
+        q = torch.randn(B, H, D, generator=g).to("cuda", dtype)
+        mask = flex_block_mask(table, kv_len, num_pool_blocks, block_size)
+        got = compiled_flex()(q, k_pool, v_pool, mask).float()
+        want = gather_attend(q, k_pool, v_pool, table, kv_len).float()
+        assert (got - want).abs().max().item() < (1e-4 if dtype == torch.float32 else 2e-2), B
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("compile", ["off", "graph"])
+def test_async_candidate_on_cuda_gives_the_engines_tokens(model, compile):
+    """bench/async_step.py on a GPU, where its tokens really are in flight (pinned copies, events, placeholders
+    swapped on the device): the float64 engine's tokens, with eos, samples and later arrivals, eagerly and with
+    captured decode steps."""
+    import copy
+
+    from bench.async_step import AsyncPagedEngine
+
+    cuda_model = copy.deepcopy(model).cuda()
+    kw = dict(num_blocks=60, block_size=4, token_budget=16, max_batch=12, compile=compile)
+    arrivals = [0, 0, 0, 2, 2, 5, 9, 9, 14, 14]
+    sync = async_workload()
+    run_engine(PagedEngine(model, num_blocks=60, block_size=4, token_budget=16, max_batch=12), sync, arrivals)
+    eos = common_token([s.generated for r in sync for s in r.sequences])
+    want = async_workload(eos)
+    run_engine(PagedEngine(model, num_blocks=60, block_size=4, token_budget=16, max_batch=12), want, arrivals)
+    engine = AsyncPagedEngine(cuda_model, **kw)
+    late = count_late_tokens(engine)
+    got = async_workload(eos)
+    run_engine(engine, got, arrivals, check=True)
+    assert [[s.generated for s in r.sequences] for r in got] == [[s.generated for s in r.sequences] for r in want]
+    assert sum(late) > 20
