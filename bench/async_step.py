@@ -34,6 +34,8 @@ class AsyncPagedEngine(PagedEngine):
 
     @torch.no_grad()
     def step(self):
+        """Engine.step's plan, batch, forward and draw, then the wait for the step before's tokens, then this
+        step's bookkeeping: on a GPU the device runs this step meanwhile."""
         # a decode step takes at most one new block for each running sequence (prefill's are taken at admission)
         if self.pending and (self.beams_live() or self.allocator.num_free() < len(self.running)):
             self.resolve()
@@ -47,27 +49,14 @@ class AsyncPagedEngine(PagedEngine):
         plan.sort(key=lambda e: e.num_tokens > 1)
         self.notify("planned", plan)
         samplers = self.assign_samplers(plan)
-        batch = self.make_batch(plan, samplers)
-        if self.pending:  # placeholders -> the pending step's tokens, on the device
-            last = self.pending[1]
-            batch.idx.copy_(torch.where(batch.idx < 0, last[(-1 - batch.idx).clamp(min=0)], batch.idx))
-        logits = self.forward(batch)[: len(samplers)]
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        logits[:, self.vocab_size :] = float("-inf")
-        tokens = self.sample_on_device(logits, batch, samplers)
-        cuda = tokens.is_cuda
-        host = torch.empty(len(samplers), dtype=torch.long, pin_memory=cuda)
-        host.copy_(tokens, non_blocking=True)
-        event = torch.cuda.Event() if cuda else None
-        if event:
-            event.record()
+        launched = self.launch(plan, samplers)
         positions = []
-        for j, (s, _) in enumerate(samplers):
+        for j, (s, _) in enumerate(samplers):  # placeholders, until the tokens reach the host
             s.status = SequenceStatus.DECODING
             s.tokens.append(-1 - j)
             positions.append(len(s.tokens) - 1)
-        self.resolve()  # the step before's tokens: on a GPU, this step runs meanwhile
-        self.pending = (samplers, tokens, host, event, positions) if samplers else None
+        self.resolve()  # the step before's tokens
+        self.pending = (samplers, *launched, positions) if samplers else None
         self.mark_computed([e for e in plan if e.sequence.status is not SequenceStatus.DONE])
         self.give_forks_kv(plan, samplers)
         for s, _ in samplers:
@@ -77,6 +66,24 @@ class AsyncPagedEngine(PagedEngine):
             self.resolve()
         self.notify("sampled", plan)
         self.notify("stepped")
+
+    def launch(self, plan, samplers):
+        """Build the step's batch, with the pending step's tokens for its placeholders, run the forward and the
+        draw, and start the tokens' copy to the host -> (device tokens, host copy, the copy's event or None)."""
+        batch = self.make_batch(plan, samplers)
+        if self.pending:  # placeholders -> the pending step's tokens, on the device
+            last = self.pending[1]
+            batch.idx.copy_(torch.where(batch.idx < 0, last[(-1 - batch.idx).clamp(min=0)], batch.idx))
+        logits = self.forward(batch)[: len(samplers)]
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        logits[:, self.vocab_size :] = float("-inf")
+        tokens = self.sample_on_device(logits, batch, samplers)
+        host = torch.empty(len(samplers), dtype=torch.long, pin_memory=tokens.is_cuda)
+        host.copy_(tokens, non_blocking=True)
+        event = torch.cuda.Event() if tokens.is_cuda else None
+        if event:
+            event.record()
+        return tokens, host, event
 
     def sample_on_device(self, logits, batch, samplers):
         """Engine.sample's draw, its tokens left on the device: (S,)."""
