@@ -276,28 +276,41 @@ def test_async_candidate_steps_beams_in_the_engines_order(model):
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
-@given(w=workloads(), eos_pick=st.integers(0, 10**6), swap=st.booleans(), compile=st.sampled_from(["off", "graph"]))
-def test_async_candidate_matches_the_engine_on_random_workloads(model, w, eos_pick, swap, compile):
+@given(
+    w=workloads(),
+    eos_pick=st.integers(0, 10**6),
+    swap=st.booleans(),
+    compile=st.sampled_from(["off", "graph"]),
+    samples=st.integers(1, 3),
+)
+def test_async_candidate_matches_the_engine_on_random_workloads(model, w, eos_pick, swap, compile, samples):
     """The candidate against the engine on test_robust's random workloads, with an eos drawn from the engine's
-    own output (so that some sequences stop early), swap or recompute preemption, and padded steps or not:
-    the same tokens, the invariants after every step, and no preemption with a token in flight."""
+    own output (so that some sequences stop early), n samples in every other request, swap or recompute
+    preemption, and padded steps or not: every sequence's tokens the same, the invariants after every step,
+    and no preemption with a token in flight."""
     from bench.async_step import AsyncPagedEngine
 
     sizes = {name: w[name] for name in ("num_blocks", "block_size", "token_budget", "max_batch", "prefix_cache")}
     sizes.update(compile=compile, swap_blocks=w["num_blocks"] // 2 if swap else 0)
 
     def requests(eos):
+        n = [min(samples, w["max_batch"], w["token_budget"]) if i % 2 else 1 for i in range(len(w["news"]))]
         params = [
-            SamplingParams(temperature=w["temperature"], top_k=40, seed=i, eos=eos) for i in range(len(w["news"]))
+            SamplingParams(temperature=w["temperature"], top_k=40, seed=i, n=n[i], eos=eos) for i in range(len(n))
         ]
-        return [Request(p, n, sp) for p, n, sp in zip(w["prompts"], w["news"], params)]
+        return [Request(p, m, sp) for p, m, sp in zip(w["prompts"], w["news"], params)]
 
-    free = [t for out in run_engine(PagedEngine(model, **sizes), requests(None), w["arrivals"]) for t in out]
+    def outputs(engine, eos, check=False):
+        rs = requests(eos)
+        run_engine(engine, rs, w["arrivals"], check=check)
+        return [[s.generated for s in r.sequences] for r in rs]
+
+    free = [t for out in outputs(PagedEngine(model, **sizes), None) for seq in out for t in seq]
     eos = free[eos_pick % len(free)]
-    want = run_engine(PagedEngine(model, **sizes), requests(eos), w["arrivals"])
+    want = outputs(PagedEngine(model, **sizes), eos)
     engine = AsyncPagedEngine(model, **sizes)
     count_late_tokens(engine)
-    assert run_engine(engine, requests(eos), w["arrivals"], check=True) == want
+    assert outputs(engine, eos, check=True) == want
     assert engine.allocator.num_free() == w["num_blocks"] and engine.pending is None
 
 
