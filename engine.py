@@ -132,7 +132,7 @@ class Engine:
         # ids past the vocabulary never win
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         logits[:, self.vocab_size :] = float("-inf")
-        tokens = self.sample(logits, batch, samplers)
+        tokens = self.sample(logits, batch, samplers).tolist()  # the step's one transfer to the host
         self.notify("sampled", plan)
         now = self.clock.now()
         self.start_decoding(samplers, now)
@@ -190,10 +190,10 @@ class Engine:
                 self.fork_kv(plan[i].sequence, s)
 
     def sample(self, logits, batch, samplers):
-        """A token for every sampler, drawn on the device from its row's settings -> a list: one transfer."""
+        """A token for every sampler, drawn on the device from its row's settings: (S,), left on the device."""
         cuts = [s.request.params.cut(self.vocab_size) for s, _ in samplers if s.request.params.temperature > 0]
         rows = batch.sample_rows
-        tokens = sample(
+        return sample(
             logits,
             temperature=self.temperature[rows],
             top_k=self.top_k[rows],
@@ -202,7 +202,6 @@ class Engine:
             max_top_k=max(filter(None, cuts), default=0),
             uncut=None in cuts,
         )
-        return tokens.tolist()
 
     def start_decoding(self, samplers, now):
         """The sampled sequences decode from now on; a request's first token is stamped."""

@@ -17,7 +17,6 @@ could run short, as preempting a sequence whose token is in flight is not handle
 import torch
 
 from engine import Engine
-from sampling import sample
 from scheduler import PagedEngine
 from sequence import SequenceStatus
 
@@ -77,27 +76,13 @@ class AsyncPagedEngine(PagedEngine):
         logits = self.forward(batch)[: len(samplers)]
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         logits[:, self.vocab_size :] = float("-inf")
-        tokens = self.sample_on_device(logits, batch, samplers)
+        tokens = self.sample(logits, batch, samplers)
         host = torch.empty(len(samplers), dtype=torch.long, pin_memory=tokens.is_cuda)
         host.copy_(tokens, non_blocking=True)
         event = torch.cuda.Event() if tokens.is_cuda else None
         if event:
             event.record()
         return tokens, host, event
-
-    def sample_on_device(self, logits, batch, samplers):
-        """Engine.sample's draw, its tokens left on the device: (S,)."""
-        cuts = [s.request.params.cut(self.vocab_size) for s, _ in samplers if s.request.params.temperature > 0]
-        rows = batch.sample_rows
-        return sample(
-            logits,
-            temperature=self.temperature[rows],
-            top_k=self.top_k[rows],
-            seed=self.seed[rows],
-            position=batch.sample_pos,
-            max_top_k=max(filter(None, cuts), default=0),
-            uncut=None in cuts,
-        )
 
     def resolve(self):
         """The pending step's tokens take their placeholders' places; a sequence that sampled eos stops (its

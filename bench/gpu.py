@@ -336,7 +336,7 @@ def time_steps(engine):
 
     def timed_sample(*args):
         marks["sample"] = time.perf_counter()
-        tokens = sample(*args)
+        tokens = sample(*args).cpu()  # the wait for the device: the step then reads them on the host
         marks["sampled"] = time.perf_counter()
         return tokens
 
