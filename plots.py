@@ -147,20 +147,11 @@ def plot_block_sizes(results, path, title):
     for (mix, runs), color in zip(results.items(), ["#4c72b0", "#dd8452"]):
         block_sizes = list(runs)
         latency.plot(block_sizes, [m["normalized_latency_ms"] for m in runs.values()], "o-", color=color, label=mix)
-        memory.plot(
-            block_sizes,
-            [m["kv_allocated_peak_mb"] for m in runs.values()],
-            "o-",
-            color=color,
-            label=f"{mix}, allocated",
-        )
-        memory.plot(
-            block_sizes,
-            [m["kv_used_peak_mb"] for m in runs.values()],
-            "o--",
-            color=color,
-            label=f"{mix}, holding tokens",
-        )
+        for key, style, what in (
+            ("kv_allocated_peak_mb", "o-", "allocated"),
+            ("kv_used_peak_mb", "o--", "holding tokens"),
+        ):
+            memory.plot(block_sizes, [m[key] for m in runs.values()], style, color=color, label=f"{mix}, {what}")
     latency.set(title="normalized latency", ylabel="ms per output token (mean over requests)")
     memory.set(title="KV memory at its peak", ylabel="MB")
     save_block_size_figure(fig, (latency, memory), block_sizes, title, path)
