@@ -17,12 +17,13 @@ from types import SimpleNamespace
 
 import torch
 
-from checkpoints import SHIPPED, export_hf, get_tokenizer, load_checkpoint
-from metrics import LABELS, returned, sweep_table, table
-from plots import PoolMap, plot, plot_block_sizes, plot_preemption
-from prepack import prepack
+from ext.hf import export_hf
+from harness.checkpoints import SHIPPED, get_tokenizer, load_checkpoint
+from harness.metrics import LABELS, returned, sweep_table, table
+from harness.plots import PoolMap, plot, plot_block_sizes, plot_preemption
+from ext import prepare
 from sequence import Request, RequestStatus
-from serving import (
+from harness.serving import (
     LENGTH_MIXES,
     MICRO_SEQUENCES,
     MICRO_TOKENS,
@@ -371,13 +372,13 @@ def request_json(texts, requests, enc):
 
 
 def load_model(args):
-    """The checkpoint in --dtype, its linears prepacked for oneDNN on a CPU, and its tokenizer."""
+    """The checkpoint in --dtype, prepared (its linears prepacked for oneDNN on a CPU), and its tokenizer."""
     try:
         model = load_checkpoint(args.ckpt, args.device).to(getattr(torch, args.dtype))
         enc = get_tokenizer(model.config.vocab_size)
     except ValueError as e:
         fail(e)
-    prepack(model)
+    prepare(model)  # process settings, and CPU linears packed for oneDNN (ext/tuning.py)
     return model, enc
 
 

@@ -8,8 +8,6 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from prepack import Linear
-
 
 @dataclass
 class GPTConfig:
@@ -35,8 +33,8 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
         assert config.n_embd % config.n_head == 0, f"n_embd {config.n_embd} is not a multiple of n_head {config.n_head}"
-        self.c_attn = Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
-        self.c_proj = Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
         self.n_head = config.n_head
         self.n_embd = config.n_embd
@@ -61,8 +59,8 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.c_fc = Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.c_proj = Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
         self.gelu = "none" if config.gelu == "exact" else config.gelu  # F.gelu's names for erf and tanh
 
@@ -97,7 +95,7 @@ class GPT(nn.Module):
                 ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
             )
         )
-        self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying, as GPT-2
         for name, p in self.named_parameters():  # GPT-2's init; residual projections scaled by depth
             if name.endswith("weight") and p.dim() == 2:

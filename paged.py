@@ -155,56 +155,35 @@ def compiled_gather_attend():
     return torch.compile(gather_attend)
 
 
-def pad_to(t, rows, width, value):
-    """t: (n,) or (n, w) -> (rows,) or (rows, width), the new places filled with value."""
-    pad = (0, rows - len(t)) if t.dim() == 1 else (0, width - t.shape[1], 0, rows - len(t))
-    return F.pad(t, pad, value=value)
-
-
 class PagedBatch(StepBatch):
     """The pool seen by one forward, through tables cut from the engine's block_tables (max_batch, W) by row.
     compiled: one-token entries attend through compiled_gather_attend; else blocks are gathered, then SDPA.
-    padded_shape (B, W): a decode-only step padded to B rows that read W blocks each, the shape of a captured
-    graph; padding rows read and write the padding block. On the device, besides StepBatch's:
+    On the device, besides StepBatch's:
         slots: (N,) where each new token's K/V go;
         table: (R, W) each entry's blocks;
-        one_token_table: (B, W) the one-token entries' blocks, and one_token_len: (B,) their keys.
-    NOTE: what a captured graph reads is staged first, so it sits at the same place in every step of its shape."""
+        one_token_table: (B, W) the one-token entries' blocks, and one_token_len: (B,) their keys."""
 
-    def __init__(self, plan, samplers, staging, k_pool, v_pool, block_tables, compiled, padded_shape=None):
-        self.k_pool = k_pool
-        self.v_pool = v_pool
-        self.block_tables = block_tables
+    def __init__(self, plan, samplers, device, kv_pool, block_tables, compiled):
+        super().__init__(plan, samplers, device)
+        self.k_pool, self.v_pool = kv_pool
         self.compiled = compiled
-        self.padded_shape = padded_shape
-        super().__init__(plan, samplers, staging)  # NOTE: after the fields: it calls host_tensors
-        if padded_shape:
-            self.num_one_token = padded_shape[0]
-
-    def host_tensors(self, plan, samplers):
-        host = super().host_tensors(plan, samplers)
         block_size = self.k_pool.shape[2]
-        padding = self.k_pool.shape[1] - 1  # the padding block
         blocks_read = blocks_for(self.kv_lens, block_size).tolist()  # (R,)
         rows = torch.tensor([s.row for s, _ in plan], dtype=torch.long)
-        table = self.block_tables[rows, : max(blocks_read, default=0)].long()  # (R, W)
+        table = block_tables[rows, : max(blocks_read, default=0)].long()  # (R, W)
         block = table[self.token_entry, self.host_positions // block_size]  # (N,)
+        slots = block * block_size + self.host_positions % block_size
         B = self.num_one_token
-        read = {name: host.pop(name) for name in ("idx", "positions", "logit_rows")}  # what a captured graph reads
-        read.update(
-            slots=block * block_size + self.host_positions % block_size,
-            one_token_table=table[:B, : max(blocks_read[:B], default=0)],
-            one_token_len=self.kv_lens[:B],
-        )
-        if self.padded_shape:  # rows past B: token 0 at position 0, written to and read from the padding block
-            names, (B, W) = list(read), self.padded_shape
-        else:  # a compiled step pads its one-token table alone, to 2 rows and blocks at least: a size of 1 would
-            # specialize the compiled graph
-            names = ["one_token_table", "one_token_len"] if self.compiled and B else []
-            B, W = max(B, 2), max(read["one_token_table"].shape[1], 2)
-        values = dict(slots=padding * block_size, one_token_table=padding, one_token_len=1)
-        read.update({name: pad_to(read[name], B, W, values.get(name, 0)) for name in names})
-        return dict(read, table=table, **host)
+        one_token = table[:B, : max(blocks_read[:B], default=0)], self.kv_lens[:B]
+        if compiled and B:  # padded to 2 rows and blocks at least: a size of 1 would specialize the compiled graph
+            one_token = self.pad(*one_token, max(B, 2), max(one_token[0].shape[1], 2))
+        self.slots, self.table, self.one_token_table, self.one_token_len = self.stage(slots, table, *one_token)
+
+    def pad(self, table, kv_len, rows, width):
+        """table (B, W), kv_len (B,) -> (rows, width), (rows,): padding rows read one key of the padding block."""
+        padding = self.k_pool.shape[1] - 1  # the padding block
+        table = F.pad(table, (0, width - table.shape[1], 0, rows - len(table)), value=padding)
+        return table, F.pad(kv_len, (0, rows - len(kv_len)), value=1)
 
     def store(self, layer, k, v):
         write_kv(self.k_pool[layer], self.v_pool[layer], self.slots, k, v)

@@ -8,7 +8,8 @@ from enum import Enum
 @dataclass
 class SamplingParams:
     """How a request's next tokens are chosen. One meaning each: top_k None keeps every id, eos None runs to
-    max_new_tokens (as nanoGPT's sample.py), temperature 0 is greedy."""
+    max_new_tokens (as nanoGPT's sample.py), temperature 0 is greedy. n and num_beams above 1 need the forks
+    extension (ext/forks.py)."""
 
     temperature: float = 0.0
     top_k: int | None = None
@@ -30,24 +31,25 @@ class RequestStatus(Enum):
 
 
 class SequenceStatus(Enum):
-    WAITING = "waiting"  # not admitted yet, or preempted: its K/V swapped out, or recomputed when admitted
+    WAITING = "waiting"  # not admitted yet, or preempted
     PREFILLING = "prefilling"
     DECODING = "decoding"
     DONE = "done"
-    DEAD = "dead"  # a beam that no survivor continues
+    DEAD = "dead"  # a beam that no survivor continues (ext/forks.py)
 
 
 class Request:
-    """What a user asks for, its times, and its sequences: one until its prompt is computed, then n samples
-    in order, or num_beams live beams best first."""
+    """What a user asks for, its times, and its sequences: one, or with the forks extension n samples in
+    order, or num_beams live beams best first."""
 
     def __init__(self, prompt, max_new_tokens, params=None):
         self.prompt = list(prompt)
         self.max_new_tokens = max_new_tokens
         self.params = params or SamplingParams()
         self.status = RequestStatus.WAITING
-        self.arrival = self.first_token_at = self.done_at = None  # clock times
-        self.width = max(self.params.n, self.params.num_beams)  # the sequences it runs at once
+        self.arrival = None  # clock times
+        self.first_token_at = None
+        self.done_at = None
         self.sequences = [Sequence(self, prompt, self.params.seed)]
 
     @property
@@ -57,8 +59,7 @@ class Request:
 
 class Sequence:
     """What runs: tokens whose K/V the engine computes, through a block table, in a row of the engine's
-    per-sequence tensors. A fork starts from its parent's tokens, score and K/V; its seed: seed + i for the
-    n samples, its parent's for a beam."""
+    per-sequence tensors."""
 
     def __init__(self, request, tokens, seed):
         self.request = request
@@ -67,18 +68,12 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.row = None  # while running: its row in the engine's per-sequence tensors
         self.block_table = []  # physical block of each logical block
-        self.num_computed = 0  # tokens whose K/V are in the cache (while waiting: in the swap space)
-        self.swapped = []  # while swapped out: the swap space's block that holds each of its logical blocks
+        self.num_computed = 0  # tokens whose K/V are in the cache
         self.block_hashes = []  # chained hash of each full block of tokens, computed once each
-        self.score = 0.0  # a beam's summed log-probability
-        self.logprobs = None  # a beam's next-token log-probabilities, held until every beam of its group has its own
 
     @property
     def generated(self):
         return self.tokens[len(self.request.prompt) :]
-
-    def num_rows(self):  # rows admission finds for it: before its prompt forks, every sequence its request runs
-        return 1 if len(self.request.sequences) > 1 else self.request.width  # forks never fall back to one
 
     def num_uncomputed(self):
         return len(self.tokens) - self.num_computed

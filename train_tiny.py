@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from checkpoints import get_tokenizer, shakespeare
+from harness.checkpoints import get_tokenizer, shakespeare
 from generate import HelpFormatter
 from model import GPT, GPTConfig
 

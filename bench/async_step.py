@@ -17,11 +17,11 @@ could run short, as preempting a sequence whose token is in flight is not handle
 import torch
 
 from engine import Engine
-from scheduler import PagedEngine
+from ext import ServingEngine
 from sequence import SequenceStatus
 
 
-class AsyncPagedEngine(PagedEngine):
+class AsyncPagedEngine(ServingEngine):
     def __init__(self, model, **kw):
         super().__init__(model, **kw)
         # the last step's tokens not yet on the host: (samplers, device tokens, host copy, its event, placeholder

@@ -33,7 +33,8 @@ JOB = os.path.join(ROOT, "out", "bf16_quality", "job.json")
 
 def data():
     """The prompts and the held-out windows, as token ids; the model exported once for vLLM."""
-    from checkpoints import SHIPPED, export_hf, get_tokenizer, load_checkpoint, shakespeare
+    from ext.hf import export_hf
+from harness.checkpoints import SHIPPED, get_tokenizer, load_checkpoint, shakespeare
 
     model = load_checkpoint(SHIPPED)
     val = get_tokenizer(model.config.vocab_size).encode_ordinary(shakespeare()[1])
@@ -56,14 +57,14 @@ def run_ours(dtype, prompts, windows):
     import torch
     import torch.nn.functional as F
 
-    from checkpoints import SHIPPED, load_checkpoint
-    from prepack import prepack
-    from scheduler import PagedEngine
+    from harness.checkpoints import SHIPPED, load_checkpoint
+    from ext import prepare
+    from ext import ServingEngine
     from sequence import Request
 
     model = load_checkpoint(SHIPPED).to(getattr(torch, dtype))
-    prepack(model)
-    engine = PagedEngine(model, num_blocks=64 * 13, vocab_size=model.config.vocab_size)
+    prepare(model)
+    engine = ServingEngine(model, num_blocks=64 * 13, vocab_size=model.config.vocab_size)
     requests = [Request(p, NEW_TOKENS) for p in prompts]
     engine.run(requests)
     total = count = 0

@@ -19,12 +19,12 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from checkpoints import get_tokenizer
+from harness.checkpoints import get_tokenizer
 from model import GPT, GPTConfig
-from prepack import prepack
-from scheduler import PagedEngine
+from ext import prepare
+from ext import ServingEngine
 from sequence import Request
-from serving import warm_up, workload
+from harness.serving import warm_up, workload
 
 ROWS = {  # name: (n_layer, n_embd, requests, prompt tokens, new tokens)
     "12x768, 64 req, 100-200 + 48": (12, 768, 64, (100, 200), (48, 48)),
@@ -49,14 +49,14 @@ def main():
         model = GPT(
             GPTConfig(block_size=1024, vocab_size=50304, n_layer=n_layer, n_head=n_embd // 64, n_embd=n_embd)
         ).eval()
-        prepack(model)
+        prepare(model)
         spec = SimpleNamespace(
             seed=1337, prompt_len=prompt_len, new_tokens=new_tokens, num_requests=num_requests, shared_prefix=0
         )
         prompts, news = workload(enc, spec)
         num_blocks = sum(-(-(len(p) + n - 1) // 16) for p, n in zip(prompts, news))
         engines = {
-            mode: PagedEngine(model, num_blocks=num_blocks, max_batch=64, vocab_size=50257, compile=mode)
+            mode: ServingEngine(model, num_blocks=num_blocks, max_batch=64, vocab_size=50257, compile=mode)
             for mode in ("off", "on")
         }
         start = time.time()
@@ -67,7 +67,7 @@ def main():
         speeds, outputs = {"off": [], "on": []}, {}
         for _ in range(args.repeats):
             for mode in ("off", "on"):
-                engine = PagedEngine(model, num_blocks=num_blocks, max_batch=64, vocab_size=50257, compile=mode)
+                engine = ServingEngine(model, num_blocks=num_blocks, max_batch=64, vocab_size=50257, compile=mode)
                 requests = [Request(p, n) for p, n in zip(prompts, news)]
                 start = time.perf_counter()
                 engine.run(requests)

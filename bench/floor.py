@@ -29,13 +29,13 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import engine as engine_py
 from batch import Staging, StepBatch
-from checkpoints import get_tokenizer, load_checkpoint
+from harness.checkpoints import get_tokenizer, load_checkpoint
 from engine import PlanEntry, Sampler
 from model import GPT, GPTConfig, attend
-from prepack import prepack
-from scheduler import PagedEngine
+from ext import prepare
+from ext import ServingEngine
 from sequence import Request, SamplingParams
-from serving import workload
+from harness.serving import workload
 
 
 class FloorBatch(StepBatch):
@@ -104,7 +104,7 @@ def run_engine(model, prompts, news, steps=None, temperature=0.8, probe=False):
         Request(p, n, SamplingParams(temperature=temperature, top_k=200, seed=1337 + i))
         for i, (p, n) in enumerate(zip(prompts, news))
     ]
-    engine = PagedEngine(model, num_blocks=sum(-(-(len(p) + n - 1) // 16) for p, n in zip(prompts, news)))
+    engine = ServingEngine(model, num_blocks=sum(-(-(len(p) + n - 1) // 16) for p, n in zip(prompts, news)))
     make_batch = engine.make_batch
 
     def record(plan, samplers):
@@ -151,7 +151,7 @@ def main():
     if args.vocab_size:
         torch.manual_seed(0)
         model = GPT(GPTConfig(**{**vars(model.config), "vocab_size": args.vocab_size})).eval()
-    prepack(model)  # as generate.py loads a model: engine and floor run the same linears
+    prepare(model)  # as generate.py loads a model: engine and floor run the same linears
     c = model.config
     enc = get_tokenizer(c.vocab_size)
     wl = argparse.Namespace(seed=1, prompt_len=(8, 192), new_tokens=(8, 64), shared_prefix=0, num_requests=128)

@@ -24,19 +24,19 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from checkpoints import get_tokenizer, load_checkpoint
+from harness.checkpoints import get_tokenizer, load_checkpoint
 from generate import check_image_name, fail, number_type, prepare_output, span
-from metrics import Meter
-from prepack import prepack
-from scheduler import PagedEngine
+from harness.metrics import Meter
+from ext import prepare
+from ext import ServingEngine
 from sequence import Request, SamplingParams
-from serving import workload
+from harness.serving import workload
 
 
 def run(model, requests, vocab_size, width):
     """Step the engine by hand -> (seconds, per-step blocks held, per-step blocks if nothing were shared)."""
     num_blocks = sum(-(-(len(r.prompt) + r.max_new_tokens - 1) // 16) for r in requests) * width
-    engine = PagedEngine(
+    engine = ServingEngine(
         model,
         num_blocks=num_blocks,
         max_batch=len(requests) * width,
@@ -94,7 +94,7 @@ def main(argv=None):
         model = load_checkpoint(args.ckpt)
     except ValueError as e:
         fail(e)
-    prepack(model)
+    prepare(model)
     enc = get_tokenizer(model.config.vocab_size)
     spec = SimpleNamespace(
         seed=1, prompt_len=args.prompt_len, new_tokens=args.new_tokens, num_requests=args.num_requests, shared_prefix=0

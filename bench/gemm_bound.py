@@ -31,10 +31,11 @@ def mm_gflops(dtype, n=4096, repeats=5):
     On an AMD CPU torch.mm's float32 path (MKL) runs well below oneDNN's, so the engine's own call is the
     fairer ceiling there."""
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from prepack import Linear, prepack
+    from ext.tuning import prepack
 
-    a, linear = torch.randn(n, n, dtype=dtype), Linear(n, n, bias=False).to(dtype).eval()
-    prepack(linear)
+    a, model = torch.randn(n, n, dtype=dtype), torch.nn.Sequential(torch.nn.Linear(n, n, bias=False)).to(dtype).eval()
+    prepack(model)
+    linear = model[0]
     best = 0
     fns = {"torch.mm": lambda: torch.mm(a, a), "a prepacked oneDNN linear": lambda: linear(a)}
     if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():

@@ -35,9 +35,9 @@ from bench.async_step import AsyncPagedEngine
 from engine import PlanEntry, Sampler
 from model import GPT, GPTConfig, attend
 from paged import BlockAllocator, PagedBatch, blocks_for, compiled_gather_attend, gather_kv
-from scheduler import PagedEngine
+from ext import ServingEngine
 from sequence import Request
-from serving import cuda_defaults
+from harness.serving import cuda_defaults
 
 CONFIG = dict(block_size=1024, vocab_size=50257, n_layer=12, n_head=12, n_embd=768, gelu="tanh")
 OUT = []
@@ -256,7 +256,7 @@ def step_table(out, bandwidth):
     """One decode step (forward + argmax) at GPT-2 small's shape, eager against its captured graph."""
     model = gpt2_small(torch.bfloat16)
     start = time.perf_counter()
-    engine = PagedEngine(model, num_blocks=256 * 63 + 8, max_batch=256, token_budget=4096, compile="graph")
+    engine = ServingEngine(model, num_blocks=256 * 63 + 8, max_batch=256, token_budget=4096, compile="graph")
     say(
         f"captured {len(engine.graphs)} graphs (batches {engine.graph_batches}) in {time.perf_counter() - start:.1f} s",
         out,
@@ -480,7 +480,7 @@ def hf_equal(out):
     model = gpt2_small(torch.float32)
     prompts, news = workload(3, 16)
     news = [min(n, 64) for n in news]
-    engine = PagedEngine(model, num_blocks=1024, max_batch=16, token_budget=1024, compile="auto")
+    engine = ServingEngine(model, num_blocks=1024, max_batch=16, token_budget=1024, compile="auto")
     ours = run_ours(engine, prompts, news)[1]
     theirs = run_hf(hf_model(model, torch.float32), prompts, news)[1]
     say(

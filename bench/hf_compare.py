@@ -28,11 +28,11 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from checkpoints import get_tokenizer, load_checkpoint, shakespeare
+from harness.checkpoints import get_tokenizer, load_checkpoint, shakespeare
 from generate import prepare_output
 from model import GPT, GPTConfig
-from prepack import prepack
-from scheduler import PagedEngine
+from ext import prepare
+from ext import ServingEngine
 from sequence import Request, SamplingParams
 
 
@@ -114,8 +114,8 @@ def run_ours(model, prompts, news, n=1, num_beams=1, temperature=0.0, top_k=None
         for i, (p, m) in enumerate(zip(prompts, news))
     ]
     num_blocks = sum(-(-(len(p) + m - 1) // 16) for p, m in zip(prompts, news)) * max(n, num_beams)
-    prepack(model)  # on a CPU, the linears in oneDNN's layout, as generate.py loads a model
-    engine = PagedEngine(model, num_blocks=num_blocks, max_batch=64 * max(n, num_beams), vocab_size=50257)
+    prepare(model)  # on a CPU, the linears in oneDNN's layout, as generate.py loads a model
+    engine = ServingEngine(model, num_blocks=num_blocks, max_batch=64 * max(n, num_beams), vocab_size=50257)
     start = time.perf_counter()
     engine.run(requests)
     return time.perf_counter() - start, [r.generated for r in requests]

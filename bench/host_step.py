@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from model import GPT, GPTConfig
 from paged import blocks_for
-from scheduler import PagedEngine
+from ext import ServingEngine
 from sequence import Request
 
 
@@ -33,7 +33,7 @@ def host_step_ms(device, num_requests=256, max_batch=256):
     prompts = [[rng.randrange(256) for _ in range(rng.randint(16, 512))] for _ in range(num_requests)]
     news = [rng.randint(16, 256) for _ in range(num_requests)]
     num_blocks = sum(blocks_for(len(p) + n, 16) for p, n in zip(prompts, news))
-    engine = PagedEngine(model, num_blocks=num_blocks, max_batch=max_batch, token_budget=4096, compile="off")
+    engine = ServingEngine(model, num_blocks=num_blocks, max_batch=max_batch, token_budget=4096, compile="off")
     forward_s = []
     forward = engine.forward
 

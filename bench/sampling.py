@@ -24,12 +24,12 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from checkpoints import get_tokenizer
+from harness.checkpoints import get_tokenizer
 from model import GPT, GPTConfig
-from prepack import prepack
-from scheduler import PagedEngine
+from ext import prepare
+from ext import ServingEngine
 from sequence import Request, SamplingParams
-from serving import workload
+from harness.serving import workload
 
 SHAPES = {"tiny": (4, 4, 128), "gpt2": (12, 12, 768)}  # n_layer, n_head, n_embd
 
@@ -58,7 +58,7 @@ def run(model, prompts, news, temperature, two_level=False):
         Request(p, n, SamplingParams(temperature=temperature, top_k=200 if temperature else None, seed=1337 + i))
         for i, (p, n) in enumerate(zip(prompts, news))
     ]
-    engine = PagedEngine(
+    engine = ServingEngine(
         model, num_blocks=sum(-(-(len(p) + n - 1) // 16) for p, n in zip(prompts, news)), vocab_size=50257
     )
     sample, times = engine.sample, []
@@ -100,7 +100,7 @@ def main():
         n_layer, n_head, n_embd = SHAPES[shape]
         torch.manual_seed(0)
         model = GPT(GPTConfig(block_size=1024, vocab_size=50304, n_layer=n_layer, n_head=n_head, n_embd=n_embd)).eval()
-        prepack(model)
+        prepare(model)
         runs = {"greedy": (0.0, False), "sampled": (0.8, False), "two-level": (0.8, True)}
         for temperature, two_level in runs.values():  # warm-up: the compiled decode attention, the allocator
             run(model, [p[:8] for p in prompts], [8] * len(prompts), temperature, two_level)

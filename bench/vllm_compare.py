@@ -63,7 +63,7 @@ def parse(name):
 
 def prompts_for(workload, seed):
     sys.path.insert(0, ROOT)
-    from checkpoints import get_tokenizer, shakespeare
+    from harness.checkpoints import get_tokenizer, shakespeare
 
     val = get_tokenizer(50257).encode_ordinary(shakespeare()[1])
     n, (lo, hi), _ = WORKLOADS[workload]
@@ -83,7 +83,7 @@ def export(shape):
         sys.path.insert(0, ROOT)
         import torch
 
-        from checkpoints import export_hf
+        from ext.hf import export_hf
         from model import GPT, GPTConfig
 
         n_layer, n_head, n_embd = SHAPES[shape]
@@ -98,20 +98,20 @@ def run_ours(job):
     sys.path.insert(0, ROOT)
     import torch
 
-    from checkpoints import load_checkpoint
+    from harness.checkpoints import load_checkpoint
     from paged import blocks_for
-    from prepack import prepack
-    from scheduler import PagedEngine
+    from ext import prepare
+    from ext import ServingEngine
     from sequence import Request, SamplingParams
 
     model = load_checkpoint(job["folder"]).to(getattr(torch, job["dtype"]))
-    prepack(model)
+    prepare(model)
     width = max(job["beams"], job["samples"])
 
     def serve(prompts, new_tokens):
         num_blocks = sum(blocks_for(len(p) + new_tokens, 16) for p in prompts) * width
         # vLLM's LLM class on a CPU schedules up to 4,096 tokens a step (max_num_batched_tokens): ours the same
-        engine = PagedEngine(model, num_blocks=num_blocks, token_budget=4096, max_batch=64 * width, vocab_size=50257)
+        engine = ServingEngine(model, num_blocks=num_blocks, token_budget=4096, max_batch=64 * width, vocab_size=50257)
         requests = [
             Request(p, new_tokens, SamplingParams(num_beams=job["beams"]))
             if job["samples"] == 1

@@ -6,8 +6,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from contiguous import ContiguousEngine
-from metrics import Meter, kv_slots
+from ext.cuda import GraphBatch
+from harness.contiguous import ContiguousEngine
+from harness.metrics import Meter, kv_slots
 from model import GPT, GPTConfig
 from sequence import Request, SamplingParams
 
@@ -54,13 +55,15 @@ def check_invariants(engine):
         assert r.num_computed <= len(r.block_table) * engine.block_size, "block table does not cover the K/V"
         for block in r.block_table:
             holders[block] += 1
+    swapped = getattr(engine, "swapped", {})  # the swap extension's (ext/swap.py)
     for r in engine.waiting:
-        if r.swapped:  # swapped out: its K/V are in the swap space, and it holds no block of the pool
-            assert len(r.swapped) == -(-r.num_computed // engine.block_size), "the swap space does not hold its K/V"
+        if swapped.get(r):  # swapped out: its K/V are in the swap space, and it holds no block of the pool
+            assert len(swapped[r]) == -(-r.num_computed // engine.block_size), "the swap space does not hold its K/V"
             assert not r.block_table and r.row is None, "a swapped-out sequence holds blocks or a row"
             continue
         assert not r.block_table and r.num_computed == 0 and r.row is None, "a waiting request holds blocks or a row"
-    check_swap_space(engine)
+    if hasattr(engine, "swap_space"):
+        check_swap_space(engine)
     rows = [r.row for r in engine.running]
     assert sorted(rows + engine.free_rows) == list(range(engine.max_batch)), "a row is lost or held twice"
     for r in engine.running:  # the persistent table mirrors each block table, and never names padding's block
@@ -86,8 +89,8 @@ def check_invariants(engine):
 def check_swap_space(engine):
     """Every block of the swap space is free exactly once or held by exactly one swapped-out sequence, and none
     leaks; running sequences hold none."""
-    held = [block for r in engine.waiting for block in r.swapped]
-    assert not any(r.swapped for r in engine.running), "a running sequence holds swap blocks"
+    held = [block for r in engine.waiting for block in engine.swapped.get(r, [])]
+    assert not any(engine.swapped.get(r) for r in engine.running), "a running sequence holds swap blocks"
     assert len(set(held)) == len(held), "a swap block is held twice"
     free = engine.free_swap
     assert len(set(free)) == len(free), "a swap block is free twice"
@@ -104,7 +107,7 @@ def check_writes(engine):
         batch = make_batch(plan, samplers)
         written = set((batch.slots // engine.block_size).tolist())
         # a padded decode step's padding rows write the padding block, block num_blocks, which no sequence holds
-        assert written <= set(range(engine.allocator.num_blocks + (batch.padded_shape is not None)))
+        assert written <= set(range(engine.allocator.num_blocks + isinstance(batch, GraphBatch)))
         for block in written - {engine.allocator.num_blocks}:
             assert engine.allocator.ref_count[block] == 1, (
                 f"block {block} is written while {engine.allocator.ref_count[block]} hold it"

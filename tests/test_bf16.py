@@ -9,12 +9,11 @@ from conftest import make_requests, run_engine
 from test_model import incremental_logits
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import checkpoints
-from batch import Staging
-from checkpoints import get_tokenizer, load_checkpoint, shakespeare
 from engine import PlanEntry
+from ext.tuning import PackedLinear, prepack
+from harness import checkpoints
+from harness.checkpoints import get_tokenizer, load_checkpoint, shakespeare
 from paged import PagedBatch
-from prepack import Linear, prepack
 from scheduler import PagedEngine
 from sequence import SequenceStatus
 
@@ -47,7 +46,7 @@ def test_paged_forward_in_bf16_is_as_close_to_float64_as_the_plain_models(model,
     prepack(model)  # the bf16 linears in oneDNN's layout, as generate.py loads a model
 
     def paged_batch(plan, samplers):
-        return PagedBatch(plan, samplers, Staging(torch.device("cpu"), 1 << 16), k_pool, v_pool, block_tables, compiled)
+        return PagedBatch(plan, samplers, torch.device("cpu"), (k_pool, v_pool), block_tables, compiled)
 
     reqs, steps = incremental_logits(model, prompts, 6, paged_batch)
     paged_err = plain_err = 0.0
@@ -67,8 +66,9 @@ def test_linears_are_prepacked_in_bf16_and_compute_what_a_bf16_gemm_does(model):
     """On every CPU: in bf16 where oneDNN has bf16 kernels, elsewhere as float32 copies of the bf16 weights (bf16
     inputs, float32 sums, a bf16 result, as PyTorch's own bf16 GEMM, which is several times slower there)."""
     prepack(model)
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
     assert linears and all(m.packed_version == m.weight._version for m in linears)
+    assert len(linears) == sum(isinstance(m, torch.nn.Linear) for m in model.modules()), "a bf16 linear is not packed"
     native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
     assert all(m.packed_weight.dtype == (torch.bfloat16 if native else torch.float32) for m in linears)
     x = torch.randn(5, model.config.n_embd, dtype=torch.bfloat16)
@@ -153,8 +153,8 @@ def test_bf16_engine_under_preemption_stays_on_the_baselines_path():
     identical throughout: on an AVX2 EPYC (float32 copies of the weights), 96% and 14-15 of 16; on a Xeon with
     AMX (bf16 kernels), eager 100% and 16, compiled 96% and 14 (other prompt seeds there: 82-100%, 12-16).
     Compiled decode attention summing in bf16 instead of float32 gave 86.5% and 13."""
-    from contiguous import ContiguousEngine
     from generate import agreement
+    from harness.contiguous import ContiguousEngine
 
     model = load_checkpoint(checkpoints.SHIPPED).to(torch.bfloat16)
     prepack(model)

@@ -1,5 +1,5 @@
 """Decode steps in fixed shapes, as CUDA graphs replay them: padded to a batch bucket and a block-table width,
-reading fixed staging buffers. The padding is the same on every device, so these run on the CPU
+reading fixed input buffers (ext/cuda.py). The padding is the same on every device, so these run on the CPU
 (compile="graph" pads without capturing); tests/test_paged.py runs the captured graphs on CUDA."""
 
 import random
@@ -8,8 +8,9 @@ import pytest
 import torch
 from conftest import run_engine
 
+from ext import ServingEngine
+from ext.cuda import GraphBatch
 from paged import blocks_for
-from scheduler import PagedEngine
 from sequence import Request, SamplingParams
 
 
@@ -28,13 +29,13 @@ def test_padded_decode_steps_give_the_unpadded_tokens_under_preemption_forks_and
     worst = 3 * blocks_for(20 + 12, block_size)  # a beam group of the longest prompt
     outputs, shapes = {}, []
     for compile in ["off", "graph"]:
-        engine = PagedEngine(
+        engine = ServingEngine(
             model, num_blocks=worst + 4, block_size=block_size, token_budget=16, max_batch=12, compile=compile
         )
 
         def recorded(plan, samplers, make_batch=engine.make_batch, compile=compile):
             batch = make_batch(plan, samplers)
-            shapes.append((compile, len(plan), batch.padded_shape))
+            shapes.append((compile, len(plan), getattr(batch, "padded_shape", None)))
             return batch
 
         engine.make_batch = recorded
@@ -50,21 +51,33 @@ def test_padded_decode_steps_give_the_unpadded_tokens_under_preemption_forks_and
 
 
 def test_graph_shapes_are_the_buckets_and_a_step_takes_the_smallest_that_holds_it(model):
-    engine = PagedEngine(model, num_blocks=64, block_size=4, max_batch=40, compile="graph")
+    engine = ServingEngine(model, num_blocks=64, block_size=4, max_batch=40, compile="graph")
     assert engine.graph_batches == [1, 2, 4, 8, 16, 32, 40]
     # every row reads as many blocks as a whole context has: 64 tokens in blocks of 4
-    assert engine.graph_shape(3) == (4, 16) and engine.graph_shape(33) == (40, 16) and engine.graph_shape(1) == (1, 16)
+    shapes = {rows: tuple(engine.graph_inputs[engine.graph_batch(rows)].one_token_table.shape) for rows in (1, 3, 33)}
+    assert shapes == {1: (1, 16), 3: (4, 16), 33: (40, 16)}
 
 
-def test_staging_buffer_never_moves_while_steps_of_every_size_run(model):
-    """A captured graph reads its inputs at fixed addresses: the engine's staging buffer, sized at start,
-    must not be reallocated by a large prefill step."""
-    engine = PagedEngine(model, num_blocks=200, block_size=4, token_budget=64, max_batch=16, compile="graph")
-    address = engine.staging.device_buffer.data_ptr()
+def test_padded_steps_read_their_graphs_fixed_inputs_which_never_move(model):
+    """A captured graph reads its inputs at fixed addresses: each padded step's tensors are its bucket's
+    GraphInputs, allocated once, whatever prefill steps of other sizes run between them."""
+    engine = ServingEngine(model, num_blocks=200, block_size=4, token_budget=64, max_batch=16, compile="graph")
+    addresses = {b: [t.data_ptr() for t in inputs.fields()] for b, inputs in engine.graph_inputs.items()}
+    padded = []
+
+    def recorded(plan, samplers, make_batch=engine.make_batch):
+        batch = make_batch(plan, samplers)
+        if isinstance(batch, GraphBatch):
+            fields = [batch.idx, batch.positions, batch.logit_rows, batch.slots, batch.one_token_len]
+            padded.append(all(a is b for a, b in zip(fields + [batch.one_token_table], batch.inputs.fields())))
+        return batch
+
+    engine.make_batch = recorded
     rng = random.Random(0)
     requests = [Request([rng.randrange(300) for _ in range(rng.randint(1, 60))], 4) for _ in range(16)]
     run_engine(engine, requests, check=True)
-    assert engine.staging.device_buffer.data_ptr() == address
+    assert padded and all(padded), "a padded step read tensors of its own"
+    assert addresses == {b: [t.data_ptr() for t in inputs.fields()] for b, inputs in engine.graph_inputs.items()}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -77,7 +90,7 @@ def test_cuda_graph_replays_give_the_eager_engines_tokens(model):
     prompts = [[rng.randrange(300) for _ in range(rng.randint(1, 20))] for _ in range(9)]
     outputs = {}
     for compile in ["on", "auto"]:
-        engine = PagedEngine(cuda_model, num_blocks=100, block_size=4, token_budget=16, max_batch=12, compile=compile)
+        engine = ServingEngine(cuda_model, num_blocks=100, block_size=4, token_budget=16, max_batch=12, compile=compile)
         assert bool(engine.graphs) == (compile == "auto")
         requests = mixed_requests(prompts)
         run_engine(engine, requests, check=True)

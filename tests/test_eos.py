@@ -6,9 +6,9 @@ import pytest
 from conftest import baseline, check_invariants, run_engine
 from test_fork import samples_as_separate_requests
 
-from contiguous import ContiguousEngine
-from metrics import metrics
-from scheduler import PagedEngine
+from ext import ServingEngine
+from harness.contiguous import ContiguousEngine
+from harness.metrics import metrics
 from sequence import Request, RequestStatus, SamplingParams, SequenceStatus
 
 
@@ -40,14 +40,14 @@ def test_plain_requests_stop_at_eos_and_give_every_block_back(model, num_blocks)
     want = [cut_at(out, eos) for out in full]
     assert any(len(w) < len(f) for w, f in zip(want, full)) and any(w == f for w, f in zip(want, full))
     for engine in (
-        PagedEngine(model, num_blocks=num_blocks, block_size=4, token_budget=16, max_batch=6),
+        ServingEngine(model, num_blocks=num_blocks, block_size=4, token_budget=16, max_batch=6),
         ContiguousEngine(model, max_batch=6),
     ):
         requests = [Request(p, n, SamplingParams(eos=eos)) for p, n in zip(prompts, news)]
-        assert run_engine(engine, requests, check=isinstance(engine, PagedEngine)) == want
+        assert run_engine(engine, requests, check=isinstance(engine, ServingEngine)) == want
         assert len(engine.finished) == len(requests) and all(r.status is RequestStatus.DONE for r in requests)
         assert metrics(engine.meter, 1.0, float("inf"), None)["output_tokens"] == sum(map(len, want))
-        if isinstance(engine, PagedEngine):
+        if isinstance(engine, ServingEngine):
             assert engine.allocator.num_free() == num_blocks and not engine.running and not engine.waiting
             assert num_blocks == 400 or engine.meter.num_preemptions > 0
 
@@ -58,7 +58,7 @@ def test_samples_stop_one_by_one_and_free_their_blocks_at_once(model):
     eos = common_token(free)
     want = [cut_at(out, eos) for out in free]
     assert len({len(w) for w in want}) > 1, "the samples should stop at different steps"
-    engine = PagedEngine(model, num_blocks=60, block_size=4, token_budget=64, max_batch=8)
+    engine = ServingEngine(model, num_blocks=60, block_size=4, token_budget=64, max_batch=8)
     r = Request(prompt, new, SamplingParams(temperature=1.5, seed=seed, n=n, eos=eos))
     engine.add(r)
     while engine.running or engine.waiting:
@@ -83,7 +83,7 @@ def test_forks_and_separate_requests_stop_alike_under_memory_pressure(model):
     eos = common_token([out for outs in free for out in outs])
     for r in requests:
         r.params.eos = eos
-    engine = PagedEngine(model, num_blocks=16, block_size=4, token_budget=16, max_batch=12)
+    engine = ServingEngine(model, num_blocks=16, block_size=4, token_budget=16, max_batch=12)
     run_engine(engine, requests, check=True)
     assert [[s.generated for s in r.sequences] for r in requests] == [[cut_at(o, eos) for o in outs] for outs in free]
     assert engine.meter.num_preemptions > 0 and engine.allocator.num_free() == 16

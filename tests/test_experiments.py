@@ -11,9 +11,9 @@ from test_cli import one_second_steps
 from test_model import save_nanogpt_ckpt
 
 import generate
-import serving
-from contiguous import ContiguousEngine
-from metrics import Meter
+from harness import serving
+from harness.contiguous import ContiguousEngine
+from harness.metrics import Meter
 from scheduler import PagedEngine
 from sequence import Request, SamplingParams
 

@@ -8,9 +8,9 @@ from conftest import make_requests, run_engine, tiny_gpt
 from test_model import save_nanogpt_ckpt
 
 import generate
-from checkpoints import get_tokenizer, load_checkpoint, shakespeare
+from ext import ServingEngine
+from harness.checkpoints import get_tokenizer, load_checkpoint, shakespeare
 from model import GPT, GPTConfig
-from scheduler import PagedEngine
 from sequence import Request, SamplingParams
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # everything loads from the exported folder; nothing may be fetched
@@ -43,7 +43,7 @@ def test_exported_model_loads_in_transformers_with_our_logits_and_greedy_tokens(
 
     prompts = [idx[i, :n].tolist() for i, n in enumerate([5, 17, 30])]
     news = [20, 12, 30]
-    engine = PagedEngine(ours.to(torch.float64), num_blocks=64, block_size=4, vocab_size=num_tokens)
+    engine = ServingEngine(ours.to(torch.float64), num_blocks=64, block_size=4, vocab_size=num_tokens)
     greedy = run_engine(engine, make_requests(prompts, news))
     hf = hf.to(torch.float64)
     hf.generation_config.eos_token_id = None  # ours generates exactly the asked-for count, end-of-text or not
@@ -114,7 +114,7 @@ def test_beam_search_equals_transformers_generate_with_num_beams(tmp_path, k):
         want.append(([s[len(prompt) :].tolist() for s in result.sequences], result.sequences_scores.tolist()))
     ours = ours.to(torch.float64)
     for num_blocks in (200, 8 * k):
-        engine = PagedEngine(ours, num_blocks=num_blocks, block_size=4, max_batch=4 * k, vocab_size=50257)
+        engine = ServingEngine(ours, num_blocks=num_blocks, block_size=4, max_batch=4 * k, vocab_size=50257)
         requests = [Request(p, n, SamplingParams(num_beams=k, length_penalty=0.7)) for p, n in zip(prompts, news)]
         run_engine(engine, requests, check=True)
         assert engine.meter.num_preemptions > 0 or num_blocks == 200

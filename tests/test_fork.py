@@ -9,8 +9,8 @@ from conftest import baseline, check_invariants, run_engine, tiny_gpt
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from contiguous import ContiguousEngine
-from scheduler import PagedEngine
+from ext import ServingEngine
+from harness.contiguous import ContiguousEngine
 from sequence import Request, RequestStatus, SamplingParams, SequenceStatus
 
 
@@ -37,7 +37,7 @@ def leaks_nothing(engine):
 def test_n_samples_fork_once_and_equal_separate_requests_with_the_same_seeds(model, prefix_cache, top_k):
     prompt = [random.Random(1).randrange(300) for _ in range(23)]
     for n in (1, 2, 4, 6):
-        engine = PagedEngine(model, num_blocks=60, block_size=4, token_budget=64, prefix_cache=prefix_cache)
+        engine = ServingEngine(model, num_blocks=60, block_size=4, token_budget=64, prefix_cache=prefix_cache)
         r = Request(prompt, 9, SamplingParams(temperature=0.9, top_k=top_k, seed=70, n=n))
         run_engine(engine, [r], check=True)
         assert outputs(r) == samples_as_separate_requests(model, prompt, 9, n, 70, 0.9, top_k)
@@ -47,7 +47,7 @@ def test_n_samples_fork_once_and_equal_separate_requests_with_the_same_seeds(mod
 
 
 def test_copy_on_write_copies_exactly_the_shared_partial_block(model):
-    engine = PagedEngine(model, num_blocks=20, block_size=4, token_budget=64)
+    engine = ServingEngine(model, num_blocks=20, block_size=4, token_budget=64)
     r = Request(
         list(range(1, 11)), 5, SamplingParams(temperature=0.9, seed=3, n=3)
     )  # 10 tokens: blocks 0 and 1 full, block 2 holds 2
@@ -73,7 +73,7 @@ def test_n_samples_under_memory_pressure_preempt_forks_and_still_match(model):
     requests = [
         Request(p, 12, SamplingParams(temperature=0.9, top_k=10, seed=100 * i, n=3)) for i, p in enumerate(prompts)
     ]
-    engine = PagedEngine(model, num_blocks=14, block_size=4, token_budget=16, max_batch=12)
+    engine = ServingEngine(model, num_blocks=14, block_size=4, token_budget=16, max_batch=12)
     run_engine(engine, requests, check=True)
     assert engine.meter.num_preemptions > 0
     for r, p, i in zip(requests, prompts, itertools.count()):
@@ -101,10 +101,10 @@ def test_beam_search_equals_the_recomputing_reference_on_both_engines(model, k):
     want = [reference_beam_search(model, p, 7, k) for p in prompts]
     for engine in (
         ContiguousEngine(model, max_batch=12),
-        PagedEngine(model, num_blocks=60, block_size=4, max_batch=12),
+        ServingEngine(model, num_blocks=60, block_size=4, max_batch=12),
     ):
         requests = [Request(p, 7, SamplingParams(num_beams=k)) for p in prompts]
-        run_engine(engine, requests, check=isinstance(engine, PagedEngine))
+        run_engine(engine, requests, check=isinstance(engine, ServingEngine))
         assert [outputs(r) for r in requests] == want
         assert [r.generated for r in requests] == [w[0] for w in want]
     leaks_nothing(engine)
@@ -123,7 +123,7 @@ def test_enough_beams_find_the_likeliest_continuation_of_all():
 
         best = max(itertools.product(range(5), repeat=T), key=lambda cont: float(logprob(cont)))
     r = Request(prompt, T, SamplingParams(num_beams=25))
-    run_engine(PagedEngine(model, num_blocks=80, block_size=2, max_batch=25, token_budget=64), [r], check=True)
+    run_engine(ServingEngine(model, num_blocks=80, block_size=2, max_batch=25, token_budget=64), [r], check=True)
     assert r.generated == list(best)
 
 
@@ -132,7 +132,7 @@ def test_beam_groups_under_memory_pressure_are_preempted_whole_and_match(model):
     prompts = [[rng.randrange(300) for _ in range(rng.randint(3, 16))] for _ in range(8)]
     want = [reference_beam_search(model, p, 10, 3) for p in prompts]
     for num_blocks, block_size, token_budget in [(21, 4, 16), (39, 2, 12), (28, 3, 9)]:  # 3 x the largest request
-        engine = PagedEngine(
+        engine = ServingEngine(
             model, num_blocks=num_blocks, block_size=block_size, token_budget=token_budget, max_batch=12
         )
         requests = [Request(p, 10, SamplingParams(num_beams=3)) for p in prompts]
@@ -144,7 +144,7 @@ def test_beam_groups_under_memory_pressure_are_preempted_whole_and_match(model):
 
 def test_dying_beams_give_their_blocks_back_and_sharing_saves_blocks(model):
     prompt = list(range(1, 41))  # 40 tokens: 10 full blocks of 4 that every beam shares
-    engine = PagedEngine(model, num_blocks=200, block_size=4, token_budget=64, max_batch=8)
+    engine = ServingEngine(model, num_blocks=200, block_size=4, token_budget=64, max_batch=8)
     r = Request(prompt, 12, SamplingParams(num_beams=4))
     engine.add(r)
     held, private, live, deaths = [], [], [], 0
@@ -180,10 +180,10 @@ def test_mixed_steps_of_beams_samples_and_plain_requests_each_equal_their_solo_r
 
     solo = []
     for r in make():
-        run_engine(PagedEngine(model, num_blocks=40, block_size=4, max_batch=12), [r])
+        run_engine(ServingEngine(model, num_blocks=40, block_size=4, max_batch=12), [r])
         solo.append(outputs(r))
     for num_blocks in (80, 18):
-        engine = PagedEngine(model, num_blocks=num_blocks, block_size=4, token_budget=20, max_batch=12)
+        engine = ServingEngine(model, num_blocks=num_blocks, block_size=4, token_budget=20, max_batch=12)
         requests = make()
         run_engine(engine, requests, arrivals=[0, 1, 1, 2, 4, 4], check=True)
         assert [outputs(r) for r in requests] == solo
@@ -208,7 +208,7 @@ def test_random_forks_writes_preemptions_and_frees_keep_every_invariant(model, d
         arrivals.append(data.draw(st.integers(0, 6)))
     worst = max(-(-(len(p) + m - 1) // block_size) * kw.get("num_beams", 1) for p, m, kw, _ in requests)
     num_blocks = worst + data.draw(st.integers(0, 10))
-    engine = PagedEngine(
+    engine = ServingEngine(
         model,
         num_blocks=num_blocks,
         block_size=block_size,
@@ -242,7 +242,7 @@ def test_random_forks_writes_preemptions_and_frees_keep_every_invariant(model, d
     ],
 )
 def test_bad_fork_requests_are_refused_in_one_line(model, kwargs, message):
-    engine = PagedEngine(model, num_blocks=10, block_size=4, max_batch=8)
+    engine = ServingEngine(model, num_blocks=10, block_size=4, max_batch=8)
     with pytest.raises(ValueError, match=message) as e:
         engine.add(Request(list(range(1, 9)), 4, SamplingParams(**kwargs)))
     assert "\n" not in str(e.value)

@@ -5,9 +5,9 @@ import pytest
 from conftest import run_engine
 
 import generate
-from contiguous import ContiguousEngine
-from metrics import Meter, cell, metrics, percentile
-from observer import Observer
+from harness.contiguous import ContiguousEngine
+from harness.metrics import Meter, cell, metrics, percentile
+from harness.observer import Observer
 from scheduler import PagedEngine
 from sequence import Request
 

@@ -5,13 +5,13 @@ import pytest
 import torch
 from conftest import make_requests, run_engine, tiny_gpt
 
-from batch import Staging
-from checkpoints import get_tokenizer, load_checkpoint, shakespeare
-from contiguous import ContiguousBatch, ContiguousEngine
 from engine import PlanEntry, Sampler
+from ext import prepare
+from ext.tuning import PackedLinear
+from harness.checkpoints import get_tokenizer, load_checkpoint, shakespeare
+from harness.contiguous import ContiguousBatch, ContiguousEngine
 from model import GPT, GPTConfig
 from paged import PagedBatch
-from prepack import Linear
 from scheduler import PagedEngine
 from sequence import Request
 
@@ -54,13 +54,13 @@ def test_cached_decode_equals_full_recompute(model, cache):
     # scattered blocks: request i owns blocks i, i + 8, i + 16, ...; block 64 is padding's
     block_tables = torch.tensor([[i + 8 * j for j in range(8)] for i in range(len(prompts))], dtype=torch.int32)
 
-    staging = Staging(torch.device("cpu"), 1 << 16)
+    cpu = torch.device("cpu")
 
     def paged_batch(plan, samplers):
-        return PagedBatch(plan, samplers, staging, k_pool, v_pool, block_tables, compiled="compiled" in cache)
+        return PagedBatch(plan, samplers, cpu, (k_pool, v_pool), block_tables, compiled="compiled" in cache)
 
     make_batch = (
-        paged_batch if cache.startswith("paged") else (lambda plan, samplers: ContiguousBatch(plan, samplers, staging))
+        paged_batch if cache.startswith("paged") else (lambda plan, samplers: ContiguousBatch(plan, samplers, cpu))
     )
     reqs, steps = incremental_logits(model, prompts, 6, make_batch)
     with torch.no_grad():
@@ -71,29 +71,29 @@ def test_cached_decode_equals_full_recompute(model, cache):
                 torch.testing.assert_close(logits[i], full[0, pos], rtol=0, atol=1e-10)
 
 
-def test_engines_prepack_the_callers_model_and_never_serve_a_stale_packed_weight():
-    """A float32 model handed to either engine comes out with every Linear of 2**17 weights or more packed, and
-    the smaller ones not (packed, they run slower), gives an unpacked copy's greedy tokens, and a weight changed
-    after the engine was built is multiplied as it is now: its packed copy, made from the old version, is skipped."""
+def test_prepare_packs_the_callers_big_linears_and_engines_never_serve_a_stale_packed_weight():
+    """An engine changes no model: ext.prepare, which generate.py and example.py call first, packs every float32
+    Linear of 2**17 weights or more, and not the smaller ones (packed, they run slower). Both engines then give
+    an unpacked copy's greedy tokens, and a weight changed after they were built is multiplied as it is now: its
+    packed copy, made from the old version, is skipped."""
     shape = dict(n_embd=256, n_head=4)  # c_attn, c_fc and the MLP's c_proj are 2**17 or more; the rest smaller
     prompts, news = [[5, 6, 7, 8, 9], list(range(1, 20)), [42], [3, 1, 4, 1, 5, 9]], [12, 8, 16, 10]
 
-    def unpacked_tokens(model):  # a fresh model with model's weights, whose Linears all take F.linear
+    def unpacked_tokens(model):  # a fresh model with model's weights, not prepared: its Linears take F.linear
         fresh = tiny_gpt(dtype=torch.float32, **shape)
         fresh.load_state_dict(model.state_dict())
-        engine = ContiguousEngine(fresh)
-        for m in fresh.modules():
-            if isinstance(m, Linear):
-                m.packed_version = None  # Linear.forward multiplies the packed copy only if its version matches
-        return run_engine(engine, make_requests(prompts, news))
+        return run_engine(ContiguousEngine(fresh), make_requests(prompts, news))
 
     for make in (lambda model: PagedEngine(model, num_blocks=40, block_size=4), ContiguousEngine):
         model = tiny_gpt(seed=5, dtype=torch.float32, **shape)
-        linears = [m for m in model.modules() if isinstance(m, Linear)]
-        assert linears and all(m.packed_version is None for m in linears)
+        make(model)
+        assert not any(isinstance(m, PackedLinear) for m in model.modules()), "an engine packed its model"
+        prepare(model)
+        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        assert model.lm_head.weight is model.transformer.wte.weight, "packing untied the weights"
         before, after = make(model), make(model)  # after runs once the weight changed: its prefix cache is empty
-        packed = [m.packed_version == m.weight._version for m in linears]
-        assert packed == [m.weight.numel() >= 1 << 17 for m in linears], "the engine did not prepack its model"
+        packed = [isinstance(m, PackedLinear) and m.packed_version == m.weight._version for m in linears]
+        assert packed == [m.weight.numel() >= 1 << 17 for m in linears], "prepare did not pack the big linears"
         assert 0 < sum(packed) < len(packed)
         want = unpacked_tokens(model)
         assert run_engine(before, make_requests(prompts, news)) == want

@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from conftest import baseline, make_requests, run_engine
+from conftest import baseline, make_requests, run_engine, tiny_gpt
 
 from paged import BlockAllocator, gather_attend, gather_kv, write_kv
 from scheduler import PagedEngine
@@ -128,7 +128,7 @@ def random_workload(seed, n, max_prompt=30, max_new=25, vocab=300):
 def test_paged_equals_contiguous_token_for_token(model, block_size, token_budget, temperature, top_k):
     """Mixed prompt lengths, arrivals at different steps, and budgets smaller than a prompt, so prefill
     is chunked across steps while others decode."""
-    from observer import Observer
+    from harness.observer import Observer
     from sequence import SequenceStatus
 
     class MixedSteps(Observer):  # steps where a prompt's chunk, short of its prompt, runs beside a decode
@@ -187,15 +187,21 @@ def test_paged_on_cuda_equals_the_cpu_engines_token_for_token(model, compile):
     assert engine.meter.num_preemptions > 0
 
 
-def test_engines_turn_off_cudnn_attention_which_plans_every_new_shape(model):
+def test_prepare_turns_off_cudnn_attention_which_plans_every_new_shape_and_engines_leave_it(model):
     """On a GPU, SDPA's cuDNN backend builds a plan for each new shape, and a serving step's shapes change every
-    step: bf16 ran 7x slower end to end with it on an H200 (docs/compile.md#on-a-gpu). Both designs turn it off."""
-    from contiguous import ContiguousEngine
+    step: bf16 ran 7x slower end to end with it on an H200 (docs/compile.md#on-a-gpu). ext.prepare, which the
+    command line and example.py call, turns it off; an engine changes no process-wide setting."""
+    from ext import ServingEngine, prepare
+    from harness.contiguous import ContiguousEngine
 
-    for make in (lambda: PagedEngine(model, num_blocks=8), lambda: ContiguousEngine(model)):
+    engines = [PagedEngine, ServingEngine, ContiguousEngine]
+    sizes = [dict(num_blocks=8), dict(num_blocks=8), {}]
+    for engine, kw in zip(engines, sizes):
         torch.backends.cuda.enable_cudnn_sdp(True)
-        make()
-        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        engine(model, **kw)
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+    prepare(tiny_gpt())
+    assert not torch.backends.cuda.cudnn_sdp_enabled()
 
 
 def test_compiled_decode_on_the_cpu_equals_eager_with_one_graph_and_no_recompiles(model):

@@ -6,9 +6,9 @@ import random
 import numpy as np
 from conftest import check_invariants, run_engine
 
-from metrics import Meter
-from plots import CACHED, COPIED, FREE, HELD, SHARED, PoolMap
-from scheduler import PagedEngine
+from ext import ServingEngine
+from harness.metrics import Meter
+from harness.plots import CACHED, COPIED, FREE, HELD, SHARED, PoolMap
 from sequence import Request, RequestStatus, SamplingParams
 
 
@@ -59,12 +59,12 @@ def test_beams_share_blocks_and_copy_on_write(model):
     rng = random.Random(0)
     prompts = [[rng.randrange(300) for _ in range(rng.randint(5, 30))] for _ in range(4)]
     requests = [Request(p, 20, SamplingParams(num_beams=4)) for p in prompts]
-    engine = PagedEngine(model, num_blocks=256, block_size=4, max_batch=16, vocab_size=300)
+    engine = ServingEngine(model, num_blocks=256, block_size=4, max_batch=16, vocab_size=300)
     pool_map, meter = run_recorded(engine, requests)
     seen = set(np.unique(np.stack(pool_map.states)).tolist())
     assert {FREE, HELD, SHARED, COPIED} <= seen
     assert meter.num_preemptions == 0 and len(pool_map.admissions) == len(requests)
-    plain = PagedEngine(model, num_blocks=256, block_size=4, max_batch=16, vocab_size=300)
+    plain = ServingEngine(model, num_blocks=256, block_size=4, max_batch=16, vocab_size=300)
     expected = run_engine(plain, [Request(p, 20, SamplingParams(num_beams=4)) for p in prompts])
     assert [r.generated for r in requests] == expected, "recording changed the outputs"
 
@@ -73,7 +73,7 @@ def test_shared_prefix_blocks_are_shared_then_cached(model):
     rng = random.Random(1)
     prefix = [rng.randrange(300) for _ in range(24)]
     prompts = [prefix + [rng.randrange(300) for _ in range(rng.randint(1, 10))] for _ in range(8)]
-    engine = PagedEngine(model, num_blocks=80, block_size=4, token_budget=64, vocab_size=300)
+    engine = ServingEngine(model, num_blocks=80, block_size=4, token_budget=64, vocab_size=300)
     pool_map, _ = run_recorded(engine, [Request(p, 6) for p in prompts])
     seen = set(np.unique(np.stack(pool_map.states)).tolist())
     assert {FREE, HELD, SHARED, CACHED} <= seen
@@ -83,7 +83,7 @@ def test_shared_prefix_blocks_are_shared_then_cached(model):
 def test_memory_pressure_marks_every_preemption_and_readmission(model):
     rng = random.Random(2)
     prompts = [[rng.randrange(300) for _ in range(rng.randint(4, 20))] for _ in range(12)]
-    engine = PagedEngine(model, num_blocks=14, block_size=4, vocab_size=300)
+    engine = ServingEngine(model, num_blocks=14, block_size=4, vocab_size=300)
     requests = [Request(p, 24) for p in prompts]
     pool_map, meter = run_recorded(engine, requests)
     assert meter.num_preemptions > 0 and len(pool_map.preemptions) == meter.num_preemptions
@@ -92,7 +92,7 @@ def test_memory_pressure_marks_every_preemption_and_readmission(model):
 
 
 def test_draw_writes_a_png_with_a_column_per_step(model, tmp_path):
-    engine = PagedEngine(model, num_blocks=32, block_size=4, vocab_size=300)
+    engine = ServingEngine(model, num_blocks=32, block_size=4, vocab_size=300)
     pool_map = PoolMap(engine)
     engine.run([Request([1, 2, 3, 4, 5], 8, SamplingParams(num_beams=2)), Request([7, 8, 9], 5)])
     path = tmp_path / "pool.png"

@@ -4,6 +4,7 @@ import random
 
 from conftest import baseline, check_invariants, make_requests, run_engine
 
+from ext import ServingEngine
 from paged import BlockAllocator
 from scheduler import PagedEngine
 from sequence import Request, RequestStatus, SamplingParams, Sequence
@@ -115,7 +116,7 @@ def test_a_readmitted_beam_group_keeps_every_members_cached_blocks_while_another
     they must never be the cached blocks another member of the group is about to share. The pool holds
     exactly what the group needs: 2 clean blocks, then cached ones, the oldest released being the second
     beam's own prefix."""
-    engine = PagedEngine(model, num_blocks=6, block_size=2, token_budget=64)
+    engine = ServingEngine(model, num_blocks=6, block_size=2, token_budget=64)
     alloc = engine.allocator
     r = Request([9, 9, 9, 9, 9], 4, SamplingParams(num_beams=2))
     first = r.sequences[0]

@@ -8,6 +8,7 @@ from conftest import baseline, make_requests, run_engine
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ext import ServingEngine
 from scheduler import PagedEngine
 from sequence import Request, RequestStatus, SamplingParams
 
@@ -45,11 +46,11 @@ def test_random_workloads_keep_invariants_and_match_the_baseline(model, w):
     assert engine.allocator.num_free() == w["num_blocks"] and not engine.running and not engine.waiting
 
 
-def run_random_workload(model, w, **kw):
-    """Serve a workloads() draw with the paged engine it names (and kw), checking the invariants after every step
-    and the outputs against the contiguous baseline -> the engine."""
+def run_random_workload(model, w, engine_class=PagedEngine, **kw):
+    """Serve a workloads() draw with the paged engine it names (of engine_class, with kw), checking the invariants
+    after every step and the outputs against the contiguous baseline -> the engine."""
     sizes = {name: w[name] for name in ("num_blocks", "block_size", "token_budget", "max_batch", "prefix_cache")}
-    engine = PagedEngine(model, **sizes, **kw)
+    engine = engine_class(model, **sizes, **kw)
     got = run_engine(engine, make_requests(w["prompts"], w["news"], w["temperature"], 40), w["arrivals"], check=True)
     assert got == baseline(model, w["prompts"], w["news"], w["temperature"], 40)
     return engine
@@ -149,7 +150,7 @@ def test_a_request_is_refused_when_added_twice_or_after_it_finished(model):
 def test_preemption_takes_the_newest_so_the_oldest_always_progresses(model):
     """Under a pool that preempts, every victim is the newest of the running sequences, counted by when each
     (re)started: the oldest is let go last (vLLM's order; docs/design.md)."""
-    from observer import Observer
+    from harness.observer import Observer
 
     class StartOrder(Observer):
         def __init__(self, engine):
@@ -184,15 +185,13 @@ def test_a_step_that_plans_nothing_raises_instead_of_spinning(model, monkeypatch
 def test_admission_leaves_the_watermark_and_each_forks_copy_free(model):
     """With others running, a new sequence is admitted only if its blocks, a copy of its partly filled last
     block for each fork after the first, and the watermark (1% of the pool) are free; alone, it may take all."""
-    engine = PagedEngine(model, num_blocks=200, block_size=4)  # a watermark of 2 blocks
+    engine = ServingEngine(model, num_blocks=200, block_size=4)  # a watermark of 2 blocks
     engine.add(Request([1] * 8, 4))
     engine.step()  # it runs
     engine.allocator.allocate(engine.allocator.num_free() - 10)  # 10 blocks left free
 
     def admits(num_tokens, n=1):
-        return engine.has_blocks_for(
-            [Request([1] * num_tokens, 1, SamplingParams(temperature=1.0, n=n)).sequences[0]], [[]]
-        )
+        return engine.can_admit(Request([1] * num_tokens, 1, SamplingParams(temperature=1.0, n=n)).sequences[0], [])
 
     assert admits(32) and not admits(36)  # 8 blocks + 2 fit in 10; 9 + 2 do not
     assert admits(30) and not admits(30, n=3)  # 8 blocks, and 2 copies of the last, partly filled

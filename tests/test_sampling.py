@@ -8,9 +8,9 @@ import pytest
 import torch
 from conftest import baseline, make_requests, run_engine
 
-from contiguous import ContiguousEngine
+from ext import ServingEngine
+from harness.contiguous import ContiguousEngine
 from sampling import sample, uniform
-from scheduler import PagedEngine
 from sequence import Request, SamplingParams
 
 
@@ -102,9 +102,9 @@ def test_each_requests_own_temperature_top_k_and_seed_draw_what_the_recomputing_
     assert len({w[0][0] for w in want}) > 4  # the settings draw differently
     for engine in (
         ContiguousEngine(model, max_batch=9, vocab_size=vocab_size),
-        PagedEngine(model, num_blocks=18, block_size=4, token_budget=12, max_batch=9, vocab_size=vocab_size),
+        ServingEngine(model, num_blocks=18, block_size=4, token_budget=12, max_batch=9, vocab_size=vocab_size),
     ):
         requests = make()
-        run_engine(engine, requests, arrivals=[0, 0, 1, 1, 2, 3, 3, 4], check=isinstance(engine, PagedEngine))
+        run_engine(engine, requests, arrivals=[0, 0, 1, 1, 2, 3, 3, 4], check=isinstance(engine, ServingEngine))
         assert [[s.generated for s in r.sequences] for r in requests] == want
     assert engine.meter.num_preemptions > 0

@@ -2,9 +2,9 @@
 
 import torch
 
-import checkpoints
 import generate
-from checkpoints import get_tokenizer, load_checkpoint, shakespeare
+from harness import checkpoints
+from harness.checkpoints import get_tokenizer, load_checkpoint, shakespeare
 
 
 def test_shipped_model_holds_its_val_loss_on_the_held_out_plays():

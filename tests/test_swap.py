@@ -13,8 +13,8 @@ from test_fork import reference_beam_search, samples_as_separate_requests
 from test_robust import run_random_workload, workloads
 
 import generate
-from observer import Observer
-from scheduler import PagedEngine
+from ext import ServingEngine
+from harness.observer import Observer
 from sequence import Request, SamplingParams
 
 
@@ -51,10 +51,10 @@ def test_swap_equals_the_baseline_and_recompute_token_for_token_under_a_preempti
     prompts = storm_prompts(block_size, 12, block_size)
     kw = dict(num_blocks=num_blocks, block_size=block_size, token_budget=24, max_batch=12)
     recompute = mixed_requests(prompts)
-    recomputing = PagedEngine(model, **kw)
+    recomputing = ServingEngine(model, **kw)
     run_engine(recomputing, recompute, check=True)
     swapped = mixed_requests(prompts)
-    engine = PagedEngine(model, swap_blocks=4 * num_blocks, **kw)
+    engine = ServingEngine(model, swap_blocks=4 * num_blocks, **kw)
     run_engine(engine, swapped, check=True)
     assert outputs(swapped) == outputs(recompute)
     for r, p in zip(swapped, prompts):
@@ -79,7 +79,7 @@ def test_blocks_a_victim_shares_with_a_running_fork_stay_with_it_and_are_shared_
     The shared blocks stay in the pool, held by the older; the victim's K/V, all of them, go to the swap space.
     On its return the prefix cache finds the prompt blocks, still held, and only the rest is copied back; without
     the prefix cache all of it is."""
-    engine = PagedEngine(model, num_blocks=7, block_size=4, token_budget=32, max_batch=4, swap_blocks=8)
+    engine = ServingEngine(model, num_blocks=7, block_size=4, token_budget=32, max_batch=4, swap_blocks=8)
     engine.prefix_cache = prefix_cache
     out, back = [], []
 
@@ -88,7 +88,7 @@ def test_blocks_a_victim_shares_with_a_running_fork_stay_with_it_and_are_shared_
             [sibling] = [s for s in victim.request.sequences if s is not victim]
             prompt_blocks = sibling.block_table[:2]
             assert [engine.allocator.ref_count[b] for b in prompt_blocks] == [1, 1], "the sibling lost a block"
-            out.append((len(victim.swapped), sibling in engine.running))
+            out.append((len(engine.swapped[victim]), sibling in engine.running))
 
         def swapped_in(self, sequence, num_blocks):
             back.append(num_blocks)
@@ -109,9 +109,9 @@ def test_a_swap_space_too_small_recomputes_the_victims_it_cannot_take_and_counts
     prompts = storm_prompts(7, 10, 4)
     kw = dict(num_blocks=16, block_size=4, token_budget=16, max_batch=8)
     recompute = mixed_requests(prompts)
-    run_engine(PagedEngine(model, **kw), recompute)
+    run_engine(ServingEngine(model, **kw), recompute)
     swapped = mixed_requests(prompts)
-    engine = PagedEngine(model, swap_blocks=swap_blocks, **kw)
+    engine = ServingEngine(model, swap_blocks=swap_blocks, **kw)
     run_engine(engine, swapped, check=True)
     assert outputs(swapped) == outputs(recompute)
     assert engine.meter.swap_fallbacks > 0 and engine.meter.recomputed_tokens > 0
@@ -122,7 +122,7 @@ def test_a_swap_space_too_small_recomputes_the_victims_it_cannot_take_and_counts
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 @given(w=workloads())
 def test_random_workloads_with_swap_keep_invariants_and_match_the_baseline(model, w):
-    leaks_nothing(run_random_workload(model, w, swap_blocks=1 + w["num_blocks"] // 2))
+    leaks_nothing(run_random_workload(model, w, ServingEngine, swap_blocks=1 + w["num_blocks"] // 2))
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
@@ -151,35 +151,35 @@ def test_random_forks_and_beams_swapped_under_pressure_equal_recomputing_them(mo
         run_engine(engine, requests, [at for *_, at in specs], check=True)
         return outputs(requests)
 
-    engine = PagedEngine(model, swap_blocks=data.draw(st.integers(1, 6 * worst)), **kw)
-    assert run(engine) == run(PagedEngine(model, **kw))
+    engine = ServingEngine(model, swap_blocks=data.draw(st.integers(1, 6 * worst)), **kw)
+    assert run(engine) == run(ServingEngine(model, **kw))
     leaks_nothing(engine)
 
 
 def test_meter_counts_swaps_both_ways_their_bytes_time_and_recomputed_tokens(model):
     prompts = storm_prompts(3, 10, 4)
     kw = dict(num_blocks=14, block_size=4, token_budget=16, max_batch=8, prefix_cache=False)
-    engine = PagedEngine(model, swap_blocks=64, **kw)
+    engine = ServingEngine(model, swap_blocks=64, **kw)
     run_engine(engine, mixed_requests(prompts), check=True)
     meter = engine.meter
     # without the prefix cache every block comes back by copy
     assert meter.swapped_out_blocks == meter.swapped_in_blocks > 0 and meter.swap_fallbacks == 0
     assert meter.swap_out_s > 0 and meter.swap_in_s > 0
-    from metrics import metrics
+    from harness.metrics import metrics
 
     m = metrics(meter, 1.0, float("inf"), None)
     block_bytes = 2 * model.config.n_layer * 4 * model.config.n_embd * 8  # K and V, every layer, 4 slots, float64
     assert m["swap_mb"] * 2**20 == pytest.approx(2 * meter.swapped_out_blocks * block_bytes)
     assert m["preemption"] == "swap" and m["swap_blocks"] == 64 and m["preemptions"] == meter.num_preemptions
-    recomputing = PagedEngine(model, **kw)
+    recomputing = ServingEngine(model, **kw)
     run_engine(recomputing, mixed_requests(prompts))
     assert recomputing.meter.recomputed_tokens > 10 * max(1, meter.recomputed_tokens)
     assert recomputing.meter.recompute_s > 0 and metrics(recomputing.meter, 1.0, 1.0, None)["swap_mb"] == 0
 
 
 def test_a_negative_swap_space_is_refused_in_one_line(model):
-    with pytest.raises(ValueError, match=re.escape("swap_blocks -1 >= 0")) as e:
-        PagedEngine(model, num_blocks=8, swap_blocks=-1)
+    with pytest.raises(ValueError, match=re.escape("swap_blocks is -1; it must be >= 0")) as e:
+        ServingEngine(model, num_blocks=8, swap_blocks=-1)
     assert "\n" not in str(e.value)
 
 
@@ -219,7 +219,7 @@ def test_generate_reports_swaps_in_the_json_and_the_table_and_says_when_it_fell_
 
 
 def test_check_invariants_catches_a_leaked_swap_block(model):
-    engine = PagedEngine(model, num_blocks=8, block_size=4, swap_blocks=4)
+    engine = ServingEngine(model, num_blocks=8, block_size=4, swap_blocks=4)
     engine.free_swap.pop()
     with pytest.raises(AssertionError, match="a swap block leaked"):
         check_invariants(engine)
@@ -305,9 +305,9 @@ def test_swap_on_cuda_gives_the_cpu_engines_tokens(model, compile):
     prompts = storm_prompts(3, 12, 3)
     kw = dict(num_blocks=30, block_size=3, token_budget=24, max_batch=12, swap_blocks=120)
     on_cpu = mixed_requests(prompts)
-    run_engine(PagedEngine(model, **kw), on_cpu, check=True)
+    run_engine(ServingEngine(model, **kw), on_cpu, check=True)
     on_cuda = mixed_requests(prompts)
-    engine = PagedEngine(copy.deepcopy(model).cuda(), compile=compile, **kw)
+    engine = ServingEngine(copy.deepcopy(model).cuda(), compile=compile, **kw)
     assert engine.swap_space.is_pinned()
     run_engine(engine, on_cuda, check=True)
     assert outputs(on_cuda) == outputs(on_cpu) and engine.meter.swapped_out_blocks > 0

@@ -39,11 +39,11 @@ from torch._dynamo.utils import counters
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from bench.archive.compile_step import fmt
 from bench.vllm_compare import WORKLOADS, cpu_line, export, parse, prompts_for
-from checkpoints import load_checkpoint
-from observer import Observer
+from harness.checkpoints import load_checkpoint
+from harness.observer import Observer
 from paged import blocks_for
 from prepack import prepack
-from scheduler import PagedEngine
+from ext import ServingEngine
 from sequence import Request
 
 MIN_SIZE = 2  # a dimension of size 1 would specialize the graph
@@ -123,7 +123,7 @@ class StepCount(Observer):
 def serve(model, forward, prompts, new_tokens, counter=None):
     """-> (output tok/s, outputs), one PagedEngine with vLLM's step budget; forward replaces the model's call."""
     num_blocks = sum(blocks_for(len(p) + new_tokens, 16) for p in prompts)
-    engine = PagedEngine(model, num_blocks=num_blocks, token_budget=4096, vocab_size=50257)
+    engine = ServingEngine(model, num_blocks=num_blocks, token_budget=4096, vocab_size=50257)
     if counter is not None:
         engine.observers.append(counter)
     if forward is not None:

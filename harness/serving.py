@@ -11,10 +11,11 @@ from types import SimpleNamespace
 
 import torch
 
-from checkpoints import shakespeare
-from contiguous import ContiguousEngine
-from metrics import Meter, metrics
+from harness.checkpoints import shakespeare
+from harness.contiguous import ContiguousEngine
+from harness.metrics import Meter, metrics
 from paged import blocks_for
+from ext import ServingEngine
 from scheduler import PagedEngine
 from sequence import Request, SamplingParams
 
@@ -86,7 +87,7 @@ def make_engine(model, kind, args, prompts, news, vocab_size):
         print(f"on CUDA: max_batch {sizes['max_batch']}, token budget {sizes['token_budget']}, {sizes['num_blocks']:,} "
               "blocks (by default: 256, 4,096, at most 90% of free memory)", flush=True)  # fmt: skip
     start = time.time()
-    engine = PagedEngine(
+    engine = ServingEngine(
         model,
         block_size=args.block_size,
         **sizes,
@@ -96,7 +97,7 @@ def make_engine(model, kind, args, prompts, news, vocab_size):
         vocab_size=vocab_size,
     )
     if engine.graphs:
-        shapes = f"batches {engine.graph_batches[0]}-{engine.graph_batches[-1]}"
+        shapes = f"batches {engine.graph_batches[0]}-{engine.graph_batches[-1]}"  # ext/cuda.py
         print(f"captured {len(engine.graphs)} CUDA graphs of decode steps ({shapes}) in {time.time() - start:.1f} s")
     return engine
 
@@ -226,7 +227,7 @@ def time_preemption(model, enc, args, block_size, repeats=3):
     times = dict(swap_out_ms=[], swap_in_ms=[], recompute_ms=[])
     for _ in range(repeats):
         for swap_blocks in (num_blocks, 0):
-            engine = PagedEngine(
+            engine = ServingEngine(
                 model,
                 num_blocks=num_blocks,
                 block_size=block_size,
@@ -240,7 +241,8 @@ def time_preemption(model, enc, args, block_size, repeats=3):
             for p in prompts:
                 engine.add(Request(p, 3))
             engine.step()  # every prompt prefilled, and its first token drawn
-            engine.preempt(list(engine.running))
+            for s in engine.running[::-1]:  # newest first, so that the oldest heads the queue
+                engine.preempt(s)
             engine.step()  # every sequence readmitted: swapped in, or recomputed
             if swap_blocks:
                 times["swap_out_ms"].append(meter.swap_out_s * 1000)

@@ -1,11 +1,13 @@
 """The contiguous baseline that the paged engine is measured against, token for token and in speed: the
-same Engine (engine.py), with each sequence's K/V in tensors of its own, grown by torch.cat."""
+same Engine (engine.py), with the forks extension, and each sequence's K/V in tensors of its own, grown by
+torch.cat."""
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from batch import StepBatch
 from engine import Engine, PlanEntry
+from ext.forks import Forks, num_rows, width
 from model import attend
 from sequence import SequenceStatus
 
@@ -14,12 +16,10 @@ class ContiguousBatch(StepBatch):
     """The baseline's cache seen by one forward: each sequence's K/V are its own tensors, grown by
     torch.cat every step; decode rows are padded side by side to attend in one call."""
 
-    def __init__(self, plan, samplers, staging):
+    def __init__(self, plan, samplers, device):
+        super().__init__(plan, samplers, device)
         self.sequences = [s for s, _ in plan]
-        super().__init__(plan, samplers, staging)
-
-    def host_tensors(self, plan, samplers):  # and decode_pos (B, 1): each one-token entry's last position
-        return dict(super().host_tensors(plan, samplers), decode_pos=self.kv_lens[: self.num_one_token, None] - 1)
+        [self.decode_pos] = self.stage(self.kv_lens[: self.num_one_token, None] - 1)  # (B, 1) each one's last position
 
     def store(self, layer, k, v):  # k, v: (N, H, D)
         for s, (a, b) in zip(self.sequences, self.spans):
@@ -37,7 +37,7 @@ class ContiguousBatch(StepBatch):
         return s.k[layer][None], s.v[layer][None]
 
 
-class ContiguousEngine(Engine):
+class ContiguousEngine(Forks, Engine):
     """Continuous batching without paging: up to max_batch sequences run; a new one is prefilled whole
     in the same forward that decodes the others. Under a KV budget (token slots), a request is admitted
     only if its reservation fits in what is left, and holds it until it finishes, as the vLLM paper's
@@ -59,9 +59,9 @@ class ContiguousEngine(Engine):
 
     def check(self, r):
         super().check(r)
-        need = self.reservation(r) * r.width  # as schedule() reserves: for every sequence it will run
+        need = self.reservation(r) * width(r)  # as schedule() reserves: for every sequence it will run
         if self.kv_budget is not None and need > self.kv_budget:
-            each = f" for each of {r.width} sequences" if r.width > 1 else ""
+            each = f" for each of {width(r)} sequences" if width(r) > 1 else ""
             raise ValueError(
                 f"a request of {len(r.prompt)} + {r.max_new_tokens} tokens reserves {self.reservation(r)} "
                 f"slots{each} under --reserve {self.reserve}, but the KV budget is {self.kv_budget} slots"
@@ -69,9 +69,9 @@ class ContiguousEngine(Engine):
 
     def schedule(self):  # a request reserves for all the sequences it will fork into
         c = self.model.config
-        while self.waiting and sum(s.num_rows() for s in self.running + [self.waiting[0]]) <= self.max_batch:
+        while self.waiting and sum(num_rows(s) for s in self.running + [self.waiting[0]]) <= self.max_batch:
             s = self.waiting[0]
-            need = self.reservation(s.request) * s.num_rows()
+            need = self.reservation(s.request) * num_rows(s)
             if self.kv_budget is not None and self.reserved + need > self.kv_budget:
                 break
             self.reserved += need
@@ -83,7 +83,7 @@ class ContiguousEngine(Engine):
         return [PlanEntry(s, s.num_uncomputed()) for s in self.running]
 
     def make_batch(self, plan, samplers):
-        return ContiguousBatch(plan, samplers, self.staging)
+        return ContiguousBatch(plan, samplers, self.device)
 
     def fork_kv(self, parent, child):  # torch.cat makes a new tensor on every append: sharing the old ones is safe
         child.k = list(parent.k)

@@ -5,8 +5,8 @@ import math
 
 import numpy as np
 
-from contiguous import ContiguousEngine
-from observer import Observer
+from harness.contiguous import ContiguousEngine
+from harness.observer import Observer
 from paged import blocks_for
 from scheduler import PagedEngine
 from sequence import SequenceStatus
@@ -68,9 +68,9 @@ class Meter(Observer):
     def preempted(self, sequence):
         self.num_preemptions += 1
         if self.swap_start is not None:  # its K/V went to the swap space since swapping()
-            self.swapped_out_blocks += len(sequence.swapped)
+            self.swapped_out_blocks += len(self.engine.swapped[sequence])
             self.swap_out_s += self.engine.clock.now() - self.swap_start
-        elif self.engine.swap_space.numel():  # the swap space could not take its group
+        elif getattr(self.engine, "swap_blocks", 0):  # the swap space (ext/swap.py) could not take it
             self.swap_fallbacks += 1
         self.swap_start = None
 
@@ -206,8 +206,8 @@ def metrics(meter, wall_s, rate, kv_budget):
             num_blocks=engine.allocator.num_blocks,
             block_size=engine.block_size,
             prefix_hit_rate=meter.cached_tokens / max(1, meter.admitted_tokens),
-            preemption="swap" if engine.swap_space.numel() else "recompute",
-            swap_blocks=engine.swap_space.shape[2],
+            preemption="swap" if getattr(engine, "swap_blocks", 0) else "recompute",  # ext/swap.py
+            swap_blocks=getattr(engine, "swap_blocks", 0),
             swapped_out_blocks=meter.swapped_out_blocks,
             swapped_in_blocks=meter.swapped_in_blocks,
             # both ways; a block is its K and V in every layer

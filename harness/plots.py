@@ -3,8 +3,8 @@ experiments' plots (KV slots, running requests and step times per step; a rate s
 
 import numpy as np
 
-from metrics import LABELS
-from observer import Observer
+from harness.metrics import LABELS
+from harness.observer import Observer
 
 POOL_STATES = {  # a block's state after a step, its color in the picture
     "free": "#f4f4f4",

@@ -1,0 +1,24 @@
+"""The extensions, each in a file of its own, and the engine that composes them all. Each plugs in where the core
+names it, and each does nothing until asked for, so ServingEngine runs what the bare PagedEngine runs, the same
+token for token:
+    forks.py   n samples and beam search, with copy-on-write      (SamplingParams n > 1, num_beams > 1)
+    swap.py    swap preemption to host memory                      (swap_blocks > 0)
+    cuda.py    one-copy staging and CUDA graphs of decode steps    (on CUDA; compile="graph", the default there)
+    tuning.py  prepacked CPU linears, the process's settings       (prepare(model), before the engine)
+    hf.py      Hugging Face GPT-2 import and export
+
+    from ext import ServingEngine, prepare
+    engine = ServingEngine(prepare(model), num_blocks=256, swap_blocks=64)
+"""
+
+from ext.cuda import CudaGraphs
+from ext.forks import PagedForks
+from ext.swap import Swap
+from ext.tuning import prepare
+from scheduler import PagedEngine
+
+__all__ = ["ServingEngine", "prepare"]
+
+
+class ServingEngine(PagedForks, Swap, CudaGraphs, PagedEngine):
+    """PagedEngine with every extension: what generate.py serves with."""

@@ -1,0 +1,122 @@
+"""The paged engine on a CUDA GPU, as nano-vllm's model runner: each step's small tensors are staged in one copy
+from pinned memory, and with compile="graph" (the default on CUDA) a decode-only step is padded to a fixed
+shape, whose CUDA graph was captured once and is replayed instead of launching every kernel from Python. On a
+CPU, compile="graph" pads the same shapes without capturing them, which the tests check there. Plugs into the
+paged engine at batch_class, make_batch and forward."""
+
+import torch
+import torch.nn.functional as F
+
+from paged import PagedBatch
+
+
+def stage(tensors, device):
+    """Host int64 tensors -> views of one device tensor, copied in one go (from pinned memory on CUDA)."""
+    sizes = [t.numel() for t in tensors]
+    # NOTE: a new host buffer each step: a step that samples nothing does not wait for the device, and the
+    # caching host allocator hands a pinned buffer out again only once its copy is done
+    host = torch.empty(sum(sizes), dtype=torch.long, pin_memory=device.type == "cuda")
+    torch.cat([t.flatten() for t in tensors], out=host)
+    staged = host.to(device, non_blocking=True)  # the step's end waits for the sampled tokens, and so for this
+    return [piece.view(t.shape) for t, piece in zip(tensors, staged.split(sizes))]
+
+
+class StagedBatch(PagedBatch):
+    """A step on the GPU: its tensors in one copy each time the batch stages."""
+
+    def stage(self, *tensors):
+        return stage(tensors, self.device)
+
+
+class GraphInputs:
+    """What a captured decode step of B rows, each reading W blocks, reads: device tensors allocated once, so
+    that every replay of its graph reads the same addresses; a step copies its own values in."""
+
+    def __init__(self, B, W, device):
+        self.idx, self.positions, self.logit_rows, self.slots, self.one_token_len = torch.zeros(
+            5, B, dtype=torch.long, device=device
+        )
+        self.one_token_table = torch.zeros(B, W, dtype=torch.long, device=device)
+
+    def fields(self):  # in the order GraphBatch pads them
+        return [self.idx, self.positions, self.logit_rows, self.slots, self.one_token_len, self.one_token_table]
+
+
+class GraphBatch(PagedBatch):
+    """A decode-only step padded to its graph's shape (B, W) = inputs': rows past the step's hold token 0 at
+    position 0, written to and read from the padding block. What the graph reads is in `inputs`."""
+
+    def __init__(self, plan, samplers, device, kv_pool, block_tables, inputs):
+        # built on the host (stage), then padded to the graph's shape, not to compile's 2 rows and blocks
+        super().__init__(plan, samplers, device, kv_pool, block_tables, compiled=False)
+        self.compiled = True
+        self.inputs = inputs
+        B, W = self.padded_shape = inputs.one_token_table.shape
+        self.num_one_token = B
+        rows = (0, B - len(self.idx))
+        padding_slot = (self.k_pool.shape[1] - 1) * self.k_pool.shape[2]  # the padding block's first
+        host = [F.pad(t, rows) for t in (self.idx, self.positions, self.logit_rows)]
+        host += [
+            F.pad(self.slots, rows, value=padding_slot),
+            *self.pad(self.one_token_table, self.one_token_len, B, W)[::-1],
+        ]
+        staged = stage([*host, self.sample_rows, self.sample_pos], device)
+        torch._foreach_copy_(inputs.fields(), staged[:6])
+        self.idx, self.positions, self.logit_rows, self.slots, self.one_token_len, self.one_token_table = (
+            inputs.fields()
+        )
+        self.sample_rows, self.sample_pos = staged[6:]
+
+    def stage(self, *tensors):  # the host tensors: the constructor pads and stages them
+        return tensors
+
+
+class CudaGraphs:
+    """A PagedEngine mixin. compile="graph": decode-only steps padded to batch buckets 1, 2, 4, 8, then steps of
+    16, each row reading as many blocks as the longest context has (narrower tables, in graphs of their own, ran
+    no faster end to end on an H200: docs/gpu.md); on CUDA one graph per bucket, captured largest first in one
+    memory pool. On CUDA every step stages in one copy."""
+
+    graph_batch_class = GraphBatch  # a padded step's batch: bench/gpu.py's flex_attention candidate subclasses it
+
+    def __init__(self, model, **kw):
+        super().__init__(model, **kw)
+        if self.device.type == "cuda":
+            self.batch_class = StagedBatch
+        buckets = [1, 2, 4, 8, *range(16, self.max_running, 16)]
+        self.graph_batches = [b for b in buckets if b < self.max_running] + [self.max_running]
+        width = self.block_tables.shape[1]
+        padded = self.compile == "graph"
+        self.graph_inputs = {b: GraphInputs(b, width, self.device) for b in self.graph_batches if padded}
+        self.graphs = {}  # batch -> (its CUDA graph, the logits it writes)
+        if padded and self.device.type == "cuda":
+            self.capture_graphs()
+
+    def make_batch(self, plan, samplers):
+        decode_only = len(samplers) <= len(plan) == sum(n == 1 for _, n in plan)
+        if not (self.graph_inputs and decode_only):
+            return super().make_batch(plan, samplers)
+        inputs = self.graph_inputs[self.graph_batch(len(plan))]
+        return self.graph_batch_class(plan, samplers, self.device, self.kv_pool, self.block_tables, inputs)
+
+    def graph_batch(self, num_rows):  # the smallest bucket that holds num_rows
+        return next(b for b in self.graph_batches if b >= num_rows)
+
+    @torch.no_grad()
+    def capture_graphs(self):
+        pool = None
+        for b in reversed(self.graph_batches):
+            batch = self.graph_batch_class([], [], self.device, self.kv_pool, self.block_tables, self.graph_inputs[b])
+            self.forward(batch)  # warm-up: compiles and allocates outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self.forward(batch)
+            pool = graph.pool()
+            self.graphs[b] = (graph, logits)
+
+    def forward(self, batch):
+        if not isinstance(batch, GraphBatch) or len(batch.idx) not in self.graphs:  # launch kernels one by one
+            return super().forward(batch)
+        graph, logits = self.graphs[len(batch.idx)]
+        graph.replay()
+        return logits

@@ -1,0 +1,81 @@
+"""What makes the engine fast on a CPU and changes things outside it: oneDNN's prepacked weights in the model's
+linears, and the process's allocator and attention settings. prepare(model) does both; the command line and
+example.py call it, and a script that builds its own model calls it too."""
+
+import ctypes
+import sys
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class PackedLinear(nn.Linear):
+    """nn.Linear that multiplies by a copy of its weight reordered once into oneDNN's blocked layout, as
+    inductor's freezing does (eager F.linear pays that reorder on every call). It shares the weight and bias of
+    the nn.Linear it replaces, so weight tying and checkpoints are unchanged."""
+
+    packed_version = None  # the weight's version the packed copy was made from: a weight changed since is not used
+
+    def _apply(self, fn, *args):  # .to(), .double(), ... make a new weight: the copy is stale
+        self.packed_weight = self.packed_version = None
+        return super()._apply(fn, *args)
+
+    def forward(self, x):
+        # training takes F.linear: the packed copy is detached, and no gradient would reach the weight
+        if self.packed_version != self.weight._version or torch.is_grad_enabled():
+            return F.linear(x, self.weight, self.bias)
+        weight = self.packed_weight
+        y = torch.ops.mkldnn._linear_pointwise(x.to(weight.dtype), weight, self.packed_bias, "none", [], "")
+        return y.to(x.dtype)  # a bf16 x into a float32 copy and back: exact, then rounded once
+
+    def pack(self, dtype):
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach().to(dtype), None)
+        self.packed_bias = None if self.bias is None else self.bias.detach().to(dtype)
+        self.packed_version = self.weight._version
+
+
+def worth_packing(linear):
+    """A CPU weight in bf16, or in float32 from 2**17 elements: smaller float32 ones run slower packed, as
+    oneDNN's call costs ~20 us more than F.linear's (1.0-3.2x below that size, 0.6-1.0x above, on an AMX Xeon:
+    docs/bf16.md#prepacked-weights)."""
+    w = linear.weight
+    return w.device.type == "cpu" and (w.dtype == torch.bfloat16 or w.dtype == torch.float32 and w.numel() >= 1 << 17)
+
+
+def prepack(model):
+    """Swap each CPU linear worth packing for a PackedLinear that shares its parameters, and pack each whose
+    weight changed since it was packed. A bf16 weight is packed as it is where oneDNN has bf16 kernels
+    (AVX512-BF16 or AMX); elsewhere as a float32 copy, which computes what a bf16 GEMM does (bf16 inputs,
+    float32 sums, a bf16 result) several times faster than PyTorch's bf16 GEMM there (docs/bf16.md), for twice
+    the bf16 weight's memory."""
+    dtype = None if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+    for parent in list(model.modules()):
+        for name, m in parent.named_children():
+            if type(m) is nn.Linear and worth_packing(m):
+                packed = PackedLinear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
+                packed.weight, packed.bias = m.weight, m.bias
+                setattr(parent, name, packed)
+    for m in model.modules():
+        if isinstance(m, PackedLinear) and worth_packing(m) and m.packed_version != m.weight._version:
+            m.pack(dtype or m.weight.dtype)
+
+
+def keep_freed_memory():
+    """On Linux, memory a step frees stays in the process, for the next step's activations of the same sizes:
+    by default glibc unmaps large blocks on free, and every step page-faults them back in (docs/vllm.md)."""
+    if sys.platform == "linux":
+        libc = ctypes.CDLL(None)
+        libc.mallopt(-4, 0)  # M_MMAP_MAX: large blocks come from the heap, not from mmap
+        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: up to 1 GiB of the heap's free top is kept
+
+
+def prepare(model):
+    """Set the process up for serving `model`, and pack its CPU linears (prepack). Process-wide, so the engine
+    never does it: glibc's allocator keeps freed memory (keep_freed_memory); on a GPU, SDPA's cuDNN backend is
+    off, as it builds a plan for each new shape and a step's shapes change every step (7x slower end to end in
+    bf16 on an H200: docs/compile.md#on-a-gpu), while flash and memory-efficient attention take any shape."""
+    keep_freed_memory()
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    prepack(model)
+    return model
