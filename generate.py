@@ -17,12 +17,11 @@ from types import SimpleNamespace
 
 import torch
 
+from ext import prepare
 from ext.hf import export_hf
 from harness.checkpoints import SHIPPED, get_tokenizer, load_checkpoint
 from harness.metrics import LABELS, returned, sweep_table, table
 from harness.plots import PoolMap, plot, plot_block_sizes, plot_preemption
-from ext import prepare
-from sequence import Request, RequestStatus
 from harness.serving import (
     LENGTH_MIXES,
     MICRO_SEQUENCES,
@@ -35,6 +34,7 @@ from harness.serving import (
     warm_up,
     workload,
 )
+from sequence import Request, RequestStatus
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):

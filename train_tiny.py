@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from harness.checkpoints import get_tokenizer, shakespeare
 from generate import HelpFormatter
+from harness.checkpoints import get_tokenizer, shakespeare
 from model import GPT, GPTConfig
 
 

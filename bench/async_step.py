@@ -16,7 +16,6 @@ could run short, as preempting a sequence whose token is in flight is not handle
 
 import torch
 
-from engine import Engine
 from ext import ServingEngine
 from sequence import SequenceStatus
 
@@ -41,13 +40,13 @@ class AsyncPagedEngine(ServingEngine):
             if not self.running and not self.waiting:  # the last sequences sampled eos
                 return
         if self.beams_live():
-            return Engine.step(self)
+            return super().step()
         plan = self.schedule()
         if not plan:
             raise RuntimeError(f"no progress: {len(self.waiting)} waiting, {len(self.running)} running")
         plan.sort(key=lambda e: e.num_tokens > 1)
         self.notify("planned", plan)
-        samplers = self.assign_samplers(plan)
+        samplers = self.samplers(plan)
         launched = self.launch(plan, samplers)
         positions = []
         for j, (s, _) in enumerate(samplers):  # placeholders, until the tokens reach the host
@@ -56,8 +55,8 @@ class AsyncPagedEngine(ServingEngine):
             positions.append(len(s.tokens) - 1)
         self.resolve()  # the step before's tokens
         self.pending = (samplers, *launched, positions) if samplers else None
+        # the forks made this step take their parent's K/V here (ext/forks.py)
         self.mark_computed([e for e in plan if e.sequence.status is not SequenceStatus.DONE])
-        self.give_forks_kv(plan, samplers)
         for s, _ in samplers:
             if s.status is not SequenceStatus.DONE and len(s.generated) == s.request.max_new_tokens:
                 self.stop(s, SequenceStatus.DONE)

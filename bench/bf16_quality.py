@@ -34,7 +34,7 @@ JOB = os.path.join(ROOT, "out", "bf16_quality", "job.json")
 def data():
     """The prompts and the held-out windows, as token ids; the model exported once for vLLM."""
     from ext.hf import export_hf
-from harness.checkpoints import SHIPPED, get_tokenizer, load_checkpoint, shakespeare
+    from harness.checkpoints import SHIPPED, get_tokenizer, load_checkpoint, shakespeare
 
     model = load_checkpoint(SHIPPED)
     val = get_tokenizer(model.config.vocab_size).encode_ordinary(shakespeare()[1])
@@ -57,9 +57,8 @@ def run_ours(dtype, prompts, windows):
     import torch
     import torch.nn.functional as F
 
+    from ext import ServingEngine, prepare
     from harness.checkpoints import SHIPPED, load_checkpoint
-    from ext import prepare
-    from ext import ServingEngine
     from sequence import Request
 
     model = load_checkpoint(SHIPPED).to(getattr(torch, dtype))

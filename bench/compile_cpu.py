@@ -19,12 +19,11 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from ext import ServingEngine, prepare
 from harness.checkpoints import get_tokenizer
-from model import GPT, GPTConfig
-from ext import prepare
-from ext import ServingEngine
-from sequence import Request
 from harness.serving import warm_up, workload
+from model import GPT, GPTConfig
+from sequence import Request
 
 ROWS = {  # name: (n_layer, n_embd, requests, prompt tokens, new tokens)
     "12x768, 64 req, 100-200 + 48": (12, 768, 64, (100, 200), (48, 48)),

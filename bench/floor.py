@@ -29,13 +29,12 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import engine as engine_py
 from batch import Staging, StepBatch
-from harness.checkpoints import get_tokenizer, load_checkpoint
 from engine import PlanEntry, Sampler
-from model import GPT, GPTConfig, attend
-from ext import prepare
-from ext import ServingEngine
-from sequence import Request, SamplingParams
+from ext import ServingEngine, prepare
+from harness.checkpoints import get_tokenizer, load_checkpoint
 from harness.serving import workload
+from model import GPT, GPTConfig, attend
+from sequence import Request, SamplingParams
 
 
 class FloorBatch(StepBatch):

@@ -24,13 +24,12 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from harness.checkpoints import get_tokenizer, load_checkpoint
+from ext import ServingEngine, prepare
 from generate import check_image_name, fail, number_type, prepare_output, span
+from harness.checkpoints import get_tokenizer, load_checkpoint
 from harness.metrics import Meter
-from ext import prepare
-from ext import ServingEngine
-from sequence import Request, SamplingParams
 from harness.serving import workload
+from sequence import Request, SamplingParams
 
 
 def run(model, requests, vocab_size, width):

@@ -15,7 +15,6 @@ hf_equal. The tests section runs the suite's CUDA tests first: python -m pytest 
 """
 
 import argparse
-import contextlib
 import functools
 import os
 import random
@@ -30,14 +29,14 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import scheduler
 from bench.async_step import AsyncPagedEngine
 from engine import PlanEntry, Sampler
-from model import GPT, GPTConfig, attend
-from paged import BlockAllocator, PagedBatch, blocks_for, compiled_gather_attend, gather_kv
 from ext import ServingEngine
-from sequence import Request
+from ext.cuda import GraphBatch
 from harness.serving import cuda_defaults
+from model import GPT, GPTConfig, attend
+from paged import BlockAllocator, blocks_for, compiled_gather_attend, gather_kv
+from sequence import Request
 
 CONFIG = dict(block_size=1024, vocab_size=50257, n_layer=12, n_head=12, n_embd=768, gelu="tanh")
 OUT = []
@@ -144,28 +143,25 @@ def compiled_flex():
     return torch.compile(flex_paged_attend, dynamic=False)
 
 
-class FlexBatch(PagedBatch):
+class FlexBatch(GraphBatch):
     """The flex candidate in a whole step: a padded decode-only step (a graph's) attends through flex_attention,
-    its block mask built at the first layer from the staged table, so a captured graph builds it too; every
-    other step attends as the engine's own batch does."""
+    its block mask built at the first layer from the graph's fixed inputs, so a captured graph builds it too."""
 
     def attend_one_token(self, layer, q):
-        if not self.padded_shape:
-            return super().attend_one_token(layer, q)
         if layer == 0:
             num_pool_blocks, block_size = self.k_pool.shape[1:3]
             self.block_mask = flex_block_mask(self.one_token_table, self.one_token_len, num_pool_blocks, block_size)
         return compiled_flex()(q, self.k_pool[layer], self.v_pool[layer], self.block_mask)
 
 
-@contextlib.contextmanager
-def flex_batches():
-    """Within it, PagedEngine's batches, those its graphs capture included, are FlexBatch."""
-    scheduler.PagedBatch = FlexBatch  # NOTE: the engine names its batch class through its module
-    try:
-        yield
-    finally:
-        scheduler.PagedBatch = PagedBatch
+class FlexEngine(ServingEngine):
+    """The engine with FlexBatch in its padded (graph) steps; every other step attends as the engine's own."""
+
+    graph_batch_class = FlexBatch
+
+
+class AsyncFlexEngine(AsyncPagedEngine):
+    graph_batch_class = FlexBatch
 
 
 def attention_row(B, L, H=12, D=64, block_size=16):
@@ -328,7 +324,7 @@ def time_steps(engine):
     step, forward, sample = engine.step, engine.forward, engine.sample
 
     def timed_forward(batch):
-        marks["kind"] = "graph" if batch.padded_shape in engine.graphs else "eager"
+        marks["kind"] = "graph" if isinstance(batch, GraphBatch) and len(batch.idx) in engine.graphs else "eager"
         marks["forward"] = time.perf_counter()
         logits = forward(batch)
         marks["launched"] = time.perf_counter()
@@ -367,13 +363,10 @@ def breakdown_table(steps, out):
             say(f"| {kind} | {len(rows)} | {ms:,.0f} | {ms / total:.0%} | {ms / len(rows):.2f} | {each} |", out)
 
 
-# candidates beside ours end to end: (engine class, the context its batches are made in). The flex ones compile
+# candidates beside ours end to end: name -> engine class. The flex ones compile
 # flex for each of the 20 batch buckets, so they run in a section of their own (e2e_flex)
-ASYNC = {"ours, async scheduling": (AsyncPagedEngine, contextlib.nullcontext)}
-FLEX = {
-    "ours, flex decode attention": (PagedEngine, flex_batches),
-    "ours, async scheduling + flex": (AsyncPagedEngine, flex_batches),
-}
+ASYNC = {"ours, async scheduling": AsyncPagedEngine}
+FLEX = {"ours, flex decode attention": FlexEngine, "ours, async scheduling + flex": AsyncFlexEngine}
 
 
 def e2e_table(out, candidates, with_hf=True, repeats=3):
@@ -383,15 +376,14 @@ def e2e_table(out, candidates, with_hf=True, repeats=3):
     prompts, news = workload(1)
     warm_prompts, warm_news = workload(2)
     defaults = cuda_defaults(model, 16, sum(blocks_for(len(p) + n, 16) for p, n in zip(prompts, news)))
-    engines = {}  # name -> (engine, the context its batches are made in)
-    for name, (engine_class, batches) in {"ours": (PagedEngine, contextlib.nullcontext), **candidates}.items():
+    engines = {}  # name -> engine
+    for name, engine_class in {"ours": ServingEngine, **candidates}.items():
         try:  # a candidate that fails to compile or capture leaves the other rows
-            with batches():
-                start = time.perf_counter()
-                engines[name] = engine_class(model, block_size=16, compile="auto", **defaults), batches
-                captured = f"{len(engines[name][0].graphs)} graphs captured in {time.perf_counter() - start:.1f} s"
-                say(f"{name}: {f'{defaults}, ' if name == 'ours' else ''}{captured}", out)
-                run_ours(engines[name][0], warm_prompts, warm_news)
+            start = time.perf_counter()
+            engines[name] = engine_class(model, block_size=16, compile="auto", **defaults)
+            captured = f"{len(engines[name].graphs)} graphs captured in {time.perf_counter() - start:.1f} s"
+            say(f"{name}: {f'{defaults}, ' if name == 'ours' else ''}{captured}", out)
+            run_ours(engines[name], warm_prompts, warm_news)
         except Exception:  # noqa: BLE001
             engines.pop(name, None)
             say(f"{name}:\n```\n{traceback.format_exc()}```", out)
@@ -401,10 +393,9 @@ def e2e_table(out, candidates, with_hf=True, repeats=3):
     # reduce-overhead) failed with an illegal memory access (H200, 2026-11-26)
     runs = {name: [] for name in engines}
     for _ in range(repeats):  # alternated, so that a drift in the machine's speed touches each alike
-        for name, (engine, batches) in list(engines.items()):
+        for name, engine in list(engines.items()):
             try:
-                with batches():
-                    runs[name].append(run_ours(engine, prompts, news))
+                runs[name].append(run_ours(engine, prompts, news))
             except Exception:  # noqa: BLE001
                 del engines[name], runs[name]
                 say(f"{name}:\n```\n{traceback.format_exc()}```", out)
@@ -414,7 +405,7 @@ def e2e_table(out, candidates, with_hf=True, repeats=3):
     rows = {name: [seconds for seconds, _ in name_runs] for name, name_runs in runs.items()}
     rows_table(rows, sum(news), out)  # now: a run cut short in what follows keeps it
     if with_hf:
-        engine = engines["ours"][0]
+        engine = engines["ours"]
         steps = time_steps(engine)
         run_ours(engine, prompts, news)
         say("\nWhere one more run of ours spent its time (each step timed in phases on the host):\n", out)

@@ -28,11 +28,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from harness.checkpoints import get_tokenizer, load_checkpoint, shakespeare
+from ext import ServingEngine, prepare
 from generate import prepare_output
+from harness.checkpoints import get_tokenizer, load_checkpoint, shakespeare
 from model import GPT, GPTConfig
-from ext import prepare
-from ext import ServingEngine
 from sequence import Request, SamplingParams
 
 

@@ -19,9 +19,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from ext import ServingEngine
 from model import GPT, GPTConfig
 from paged import blocks_for
-from ext import ServingEngine
 from sequence import Request
 
 

@@ -24,12 +24,11 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from ext import ServingEngine, prepare
 from harness.checkpoints import get_tokenizer
-from model import GPT, GPTConfig
-from ext import prepare
-from ext import ServingEngine
-from sequence import Request, SamplingParams
 from harness.serving import workload
+from model import GPT, GPTConfig
+from sequence import Request, SamplingParams
 
 SHAPES = {"tiny": (4, 4, 128), "gpt2": (12, 12, 768)}  # n_layer, n_head, n_embd
 

@@ -98,10 +98,9 @@ def run_ours(job):
     sys.path.insert(0, ROOT)
     import torch
 
+    from ext import ServingEngine, prepare
     from harness.checkpoints import load_checkpoint
     from paged import blocks_for
-    from ext import prepare
-    from ext import ServingEngine
     from sequence import Request, SamplingParams
 
     model = load_checkpoint(job["folder"]).to(getattr(torch, job["dtype"]))

@@ -53,13 +53,10 @@ class GraphBatch(PagedBatch):
         self.inputs = inputs
         B, W = self.padded_shape = inputs.one_token_table.shape
         self.num_one_token = B
-        rows = (0, B - len(self.idx))
         padding_slot = (self.k_pool.shape[1] - 1) * self.k_pool.shape[2]  # the padding block's first
-        host = [F.pad(t, rows) for t in (self.idx, self.positions, self.logit_rows)]
-        host += [
-            F.pad(self.slots, rows, value=padding_slot),
-            *self.pad(self.one_token_table, self.one_token_len, B, W)[::-1],
-        ]
+        host = [F.pad(t, (0, B - len(t))) for t in (self.idx, self.positions, self.logit_rows)]  # (B,) each
+        host += [F.pad(self.slots, (0, B - len(self.slots)), value=padding_slot)]
+        host += self.pad(self.one_token_table, self.one_token_len, B, W)[::-1]
         staged = stage([*host, self.sample_rows, self.sample_pos], device)
         torch._foreach_copy_(inputs.fields(), staged[:6])
         self.idx, self.positions, self.logit_rows, self.slots, self.one_token_len, self.one_token_table = (

@@ -11,11 +11,11 @@ from types import SimpleNamespace
 
 import torch
 
+from ext import ServingEngine
 from harness.checkpoints import shakespeare
 from harness.contiguous import ContiguousEngine
 from harness.metrics import Meter, metrics
 from paged import blocks_for
-from ext import ServingEngine
 from scheduler import PagedEngine
 from sequence import Request, SamplingParams
 

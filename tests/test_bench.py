@@ -14,8 +14,8 @@ from test_eos import common_token
 from test_robust import workloads
 
 from bench.sampling import two_level_topk
+from ext import ServingEngine
 from paged import blocks_for, gather_attend
-from scheduler import PagedEngine
 from sequence import Request, RequestStatus, SamplingParams
 
 
@@ -44,7 +44,7 @@ def test_one_graph_forward_equals_eager_and_compiles_no_new_graph_as_steps_chang
     from bench.archive.compile_graph import graph_forward
 
     def run(prompts, news, forward=None):
-        engine = PagedEngine(model, num_blocks=80, block_size=4, token_budget=24)
+        engine = ServingEngine(model, num_blocks=80, block_size=4, token_budget=24)
         if forward is not None:
             engine.model = lambda idx, batch: (forward(batch), None)
         return run_engine(engine, make_requests(prompts, news), check=True)
@@ -151,7 +151,7 @@ def test_gpu_bench_times_each_step_and_runs_each_repeat_without_the_last_ones_pr
     hits = []
     lookup = BlockAllocator.lookup
     monkeypatch.setattr(BlockAllocator, "lookup", lambda self, *a: hits.append(lookup(self, *a)) or hits[-1])
-    engine = PagedEngine(model, num_blocks=60, block_size=4, token_budget=32)
+    engine = ServingEngine(model, num_blocks=60, block_size=4, token_budget=32)
     prompts, news = [list(range(1, 30)), [5] * 9, list(range(40, 60))], [6, 9, 4]
     _, first = gpu.run_ours(engine, prompts, news)
     batches = []
@@ -187,12 +187,11 @@ def test_flex_candidate_in_whole_padded_steps_gives_the_engines_tokens_under_pre
         gpu.FlexBatch, "attend_one_token", lambda b, *a: flex_steps.append(b.padded_shape) or attend(b, *a)
     )
     for compile in ["off", "graph"]:
-        with gpu.flex_batches():
-            engine = PagedEngine(
-                model, num_blocks=num_blocks, block_size=block_size, token_budget=16, max_batch=12, compile=compile
-            )
-            requests = mixed_requests(prompts)
-            run_engine(engine, requests, check=True)
+        engine = gpu.FlexEngine(
+            model, num_blocks=num_blocks, block_size=block_size, token_budget=16, max_batch=12, compile=compile
+        )
+        requests = mixed_requests(prompts)
+        run_engine(engine, requests, check=True)
         outputs[compile] = [[s.generated for s in r.sequences] for r in requests]
         assert engine.meter.num_preemptions > 0
     assert outputs["graph"] == outputs["off"]
@@ -244,10 +243,10 @@ def test_async_candidate_gives_the_engines_tokens(model, num_blocks, block_size,
     kw = dict(num_blocks=num_blocks, block_size=block_size, token_budget=16, max_batch=12, compile=compile)
     arrivals = [0, 0, 0, 2, 2, 5, 9, 9, 14, 14]
     sync = async_workload()
-    run_engine(PagedEngine(model, **kw), sync, arrivals)
+    run_engine(ServingEngine(model, **kw), sync, arrivals)
     eos = common_token([s.generated for r in sync for s in r.sequences])
     outputs, counts = {}, {}
-    for cls in (PagedEngine, AsyncPagedEngine):
+    for cls in (ServingEngine, AsyncPagedEngine):
         engine = cls(model, **kw)
         requests = async_workload(eos)
         late = count_late_tokens(engine) if cls is AsyncPagedEngine else []
@@ -255,11 +254,11 @@ def test_async_candidate_gives_the_engines_tokens(model, num_blocks, block_size,
         outputs[cls] = [[s.generated for s in r.sequences] for r in requests]
         counts[cls] = (len(engine.finished), engine.allocator.num_free(), engine.meter.num_preemptions)
         assert all(r.status is RequestStatus.DONE and r.done_at >= r.first_token_at for r in requests)
-    assert outputs[AsyncPagedEngine] == outputs[PagedEngine]
-    assert any(len(o) < r.max_new_tokens for r, out in zip(requests, outputs[PagedEngine]) for o in out)  # eos hit
-    assert counts[AsyncPagedEngine][:2] == counts[PagedEngine][:2] == (len(requests), num_blocks)
+    assert outputs[AsyncPagedEngine] == outputs[ServingEngine]
+    assert any(len(o) < r.max_new_tokens for r, out in zip(requests, outputs[ServingEngine]) for o in out)  # eos hit
+    assert counts[AsyncPagedEngine][:2] == counts[ServingEngine][:2] == (len(requests), num_blocks)
     assert sum(late) > 20
-    assert (counts[AsyncPagedEngine][2] > 0) == (counts[PagedEngine][2] > 0) == preempts
+    assert (counts[AsyncPagedEngine][2] > 0) == (counts[ServingEngine][2] > 0) == preempts
 
 
 def test_async_candidate_steps_beams_in_the_engines_order(model):
@@ -268,7 +267,7 @@ def test_async_candidate_steps_beams_in_the_engines_order(model):
     from bench.async_step import AsyncPagedEngine
 
     outputs = []
-    for cls in (PagedEngine, AsyncPagedEngine):
+    for cls in (ServingEngine, AsyncPagedEngine):
         requests = async_workload()[:4] + [Request([3, 1, 4, 1, 5], 9, SamplingParams(num_beams=3))]
         run_engine(cls(model, num_blocks=200, block_size=4, token_budget=16, max_batch=12), requests, [0, 0, 3, 3, 6])
         outputs.append([[s.generated for s in r.sequences] for r in requests])
@@ -305,9 +304,9 @@ def test_async_candidate_matches_the_engine_on_random_workloads(model, w, eos_pi
         run_engine(engine, rs, w["arrivals"], check=check)
         return [[s.generated for s in r.sequences] for r in rs]
 
-    free = [t for out in outputs(PagedEngine(model, **sizes), None) for seq in out for t in seq]
+    free = [t for out in outputs(ServingEngine(model, **sizes), None) for seq in out for t in seq]
     eos = free[eos_pick % len(free)]
-    want = outputs(PagedEngine(model, **sizes), eos)
+    want = outputs(ServingEngine(model, **sizes), eos)
     engine = AsyncPagedEngine(model, **sizes)
     count_late_tokens(engine)
     assert outputs(engine, eos, check=True) == want
@@ -361,10 +360,10 @@ def test_async_candidate_on_cuda_gives_the_engines_tokens(model, compile):
     kw = dict(num_blocks=60, block_size=4, token_budget=16, max_batch=12, compile=compile)
     arrivals = [0, 0, 0, 2, 2, 5, 9, 9, 14, 14]
     sync = async_workload()
-    run_engine(PagedEngine(model, num_blocks=60, block_size=4, token_budget=16, max_batch=12), sync, arrivals)
+    run_engine(ServingEngine(model, num_blocks=60, block_size=4, token_budget=16, max_batch=12), sync, arrivals)
     eos = common_token([s.generated for r in sync for s in r.sequences])
     want = async_workload(eos)
-    run_engine(PagedEngine(model, num_blocks=60, block_size=4, token_budget=16, max_batch=12), want, arrivals)
+    run_engine(ServingEngine(model, num_blocks=60, block_size=4, token_budget=16, max_batch=12), want, arrivals)
     engine = AsyncPagedEngine(cuda_model, **kw)
     late = count_late_tokens(engine)
     got = async_workload(eos)

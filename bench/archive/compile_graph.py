@@ -39,11 +39,11 @@ from torch._dynamo.utils import counters
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from bench.archive.compile_step import fmt
 from bench.vllm_compare import WORKLOADS, cpu_line, export, parse, prompts_for
+from ext import ServingEngine
+from ext.tuning import prepack
 from harness.checkpoints import load_checkpoint
 from harness.observer import Observer
 from paged import blocks_for
-from prepack import prepack
-from ext import ServingEngine
 from sequence import Request
 
 MIN_SIZE = 2  # a dimension of size 1 would specialize the graph

@@ -26,10 +26,10 @@ import torch._inductor.config
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 import batch
 from bench.vllm_compare import WORKLOADS, export, prompts_for
+from ext import ServingEngine
+from ext.tuning import prepack
 from harness.checkpoints import load_checkpoint
 from paged import blocks_for
-from prepack import prepack
-from ext import ServingEngine
 from sequence import Request
 
 
@@ -37,7 +37,9 @@ def serve(model, forward, prompts, new_tokens):
     """-> (output tok/s, outputs), one PagedEngine with its defaults; forward replaces the model's call."""
     if forward is None:  # eager: the linears prepacked, as generate.py loads a model; the compiled graph packs its own
         prepack(model)
-    engine = ServingEngine(model, num_blocks=sum(blocks_for(len(p) + new_tokens, 16) for p in prompts), vocab_size=50257)
+    engine = ServingEngine(
+        model, num_blocks=sum(blocks_for(len(p) + new_tokens, 16) for p in prompts), vocab_size=50257
+    )
     if forward is not None:
         engine.model = forward
     requests = [Request(p, new_tokens) for p in prompts]
