@@ -10,6 +10,11 @@ import torch.nn.functional as F
 from model import attend
 
 
+def longs(values):
+    """A list of ints -> an int64 tensor, an empty list too (torch.tensor([]) is float)."""
+    return torch.tensor(values, dtype=torch.long)
+
+
 class Chunk(NamedTuple):
     """A prefill chunk: plan entry `entry`'s new tokens sit at [start, end) of the step's tokens, after
     num_cached tokens of its sequence whose K/V are already in the cache."""
@@ -37,8 +42,8 @@ class StepBatch:
 
     def __init__(self, plan, samplers, device):
         self.device = device
-        num_cached = torch.tensor([s.num_computed for s, _ in plan], dtype=torch.long)  # (R,)
-        num_new = torch.tensor([n for _, n in plan], dtype=torch.long)  # (R,)
+        num_cached = longs([s.num_computed for s, _ in plan])  # (R,)
+        num_new = longs([n for _, n in plan])  # (R,)
         ends = num_new.cumsum(0)  # (R,) each entry's end in the step's tokens
         starts = ends - num_new
         self.token_entry = torch.repeat_interleave(torch.arange(len(plan)), num_new)  # (N,) each token's plan entry
@@ -47,10 +52,10 @@ class StepBatch:
         self.num_one_token = int((num_new == 1).sum())  # NOTE: the plan puts them first
         self.spans = list(zip(starts.tolist(), ends.tolist()))  # (start, end) of each entry's new tokens
         self.chunks = [Chunk(i, *self.spans[i], int(num_cached[i])) for i in range(self.num_one_token, len(plan))]
-        tokens = torch.tensor([t for s, n in plan for t in s.tokens[s.num_computed : s.num_computed + n]])
-        entries = torch.tensor([x.entry for x in samplers], dtype=torch.long)  # (S,) each sampler's plan entry
-        rows = torch.tensor([x.sequence.row for x in samplers], dtype=torch.long)
-        host = tokens.long(), self.host_positions, (ends - 1)[entries], rows, self.kv_lens[entries]
+        tokens = longs([t for s, n in plan for t in s.tokens[s.num_computed : s.num_computed + n]])
+        entries = longs([x.entry for x in samplers])  # (S,) each sampler's plan entry
+        rows = longs([x.sequence.row for x in samplers])
+        host = tokens, self.host_positions, (ends - 1)[entries], rows, self.kv_lens[entries]
         self.idx, self.positions, self.logit_rows, self.sample_rows, self.sample_pos = self.stage(*host)
 
     def stage(self, *tensors):
@@ -60,11 +65,8 @@ class StepBatch:
     def attend(self, layer, q, k, v):
         """q, k, v: (N, H, D) for the step's new tokens -> (N, H, D)."""
         self.store(layer, k, v)
-        out = []
-        if self.num_one_token:
-            out.append(self.attend_one_token(layer, q[: self.num_one_token]))
-        for chunk in self.chunks:
-            out.append(self.attend_chunk(layer, chunk, q, k, v))
+        out = [self.attend_one_token(layer, q[: self.num_one_token])] if self.num_one_token else []
+        out += [self.attend_chunk(layer, chunk, q, k, v) for chunk in self.chunks]
         return torch.cat(out) if len(out) > 1 else out[0]
 
     def attend_chunk(self, layer, chunk, q, k, v):

@@ -55,8 +55,7 @@ class Engine:
         # each running sequence holds a row of these, so a step reads its sampling settings without copying them
         self.free_rows = list(range(max_batch))[::-1]
         self.temperature = torch.zeros(max_batch, device=self.device)
-        self.top_k = torch.zeros(max_batch, dtype=torch.long, device=self.device)
-        self.seed = torch.zeros(max_batch, dtype=torch.long, device=self.device)
+        self.top_k, self.seed = torch.zeros(2, max_batch, dtype=torch.long, device=self.device)
 
     def notify(self, event, *args):  # each observer has a method for every event (harness/observer.py)
         for observer in self.observers:
@@ -80,14 +79,13 @@ class Engine:
             why = f"prompt of {len(r.prompt)} tokens + max_new_tokens {r.max_new_tokens} = {total}"
             raise ValueError(f"{why} exceeds the model's context of {self.window} (+1: the last is never fed back)")
         p = r.params
-        if not (math.isfinite(p.temperature) and p.temperature >= 0) or (p.top_k is not None and p.top_k < 1):
+        if not 0 <= p.temperature < math.inf or (p.top_k is not None and p.top_k < 1):  # NaN too
             raise ValueError(f"temperature {p.temperature} must be a finite number >= 0 and top_k {p.top_k} >= 1")
-        self.check_forks(r)
+        if p.n != 1 or p.num_beams != 1:
+            self.check_forks(r)
 
-    def check_forks(self, r):  # the forks extension (ext/forks.py) runs n samples and beams
-        if r.params.n != 1 or r.params.num_beams != 1:
-            why = f"n {r.params.n} samples or num_beams {r.params.num_beams}"
-            raise ValueError(f"{why}: this engine runs one sequence a request; the forks extension runs more")
+    def check_forks(self, r):  # n samples and beam search: the forks extension (ext/forks.py) runs them
+        raise ValueError(f"n {r.params.n}, num_beams {r.params.num_beams}: this engine runs one sequence a request")
 
     def run(self, requests):
         for r in requests:
@@ -153,18 +151,14 @@ class Engine:
             uncut=None in cuts,
         )
 
-    def start_decoding(self, samplers, now):
-        """The sampled sequences decode from now on; a request's first token is stamped."""
-        for s, _ in samplers:
-            s.status = SequenceStatus.DECODING
-            if s.request.first_token_at is None:  # a clock may read 0.0
-                s.request.first_token_at = now
-
     def append_tokens(self, samplers, tokens, now):
-        """Each token joins its sequence, done at max_new_tokens or eos; its request is done when all are."""
-        self.start_decoding(samplers, now)
+        """Each token joins its sequence, which decodes from now on, done at max_new_tokens or eos; a request's
+        first token is stamped, and the request is done when all its sequences are."""
         for (s, _), token in zip(samplers, tokens):
             r = s.request
+            s.status = SequenceStatus.DECODING
+            if r.first_token_at is None:  # a clock may read 0.0
+                r.first_token_at = now
             s.tokens.append(token)
             if len(s.generated) == r.max_new_tokens or token == r.params.eos:  # its blocks free at once
                 self.stop(s, SequenceStatus.DONE)

@@ -12,7 +12,7 @@ from collections import OrderedDict
 import torch
 import torch.nn.functional as F
 
-from batch import StepBatch
+from batch import StepBatch, longs
 from model import attend
 
 
@@ -29,7 +29,7 @@ class BlockAllocator:
     def __init__(self, num_blocks, block_size):
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.clean = list(range(num_blocks - 1, -1, -1))  # a stack: block 0 goes out first
+        self.clean = list(range(num_blocks))[::-1]  # a stack: block 0 goes out first
         self.cached_free = OrderedDict()  # free blocks still holding hashed K/V, oldest release first
         self.ref_count = [0] * num_blocks
         self.hash_of = {}  # block -> hash of its content, prefix included
@@ -128,9 +128,8 @@ def write_kv(k_pool, v_pool, slots, k, v):
 def gather_kv(pool, block_table):
     """pool: (num_blocks + 1, block_size, H, D), block_table: (B, W) -> (B, W * block_size, H, D): one
     index_select of whole blocks, each a contiguous copy."""
-    B, W = block_table.shape
-    blocks = pool.index_select(0, block_table.flatten())
-    return blocks.view(B, W * pool.shape[1], *pool.shape[2:])
+    blocks = pool.index_select(0, block_table.flatten())  # (B * W, block_size, H, D)
+    return blocks.view(len(block_table), -1, *pool.shape[2:])
 
 
 def gather_attend(q, k_pool, v_pool, block_table, kv_len):
@@ -169,13 +168,13 @@ class PagedBatch(StepBatch):
         self.compiled = compiled
         block_size = self.k_pool.shape[2]
         blocks_read = blocks_for(self.kv_lens, block_size).tolist()  # (R,)
-        rows = torch.tensor([s.row for s, _ in plan], dtype=torch.long)
+        rows = longs([s.row for s, _ in plan])
         table = block_tables[rows, : max(blocks_read, default=0)].long()  # (R, W)
         block = table[self.token_entry, self.host_positions // block_size]  # (N,)
         slots = block * block_size + self.host_positions % block_size
         B = self.num_one_token
         one_token = table[:B, : max(blocks_read[:B], default=0)], self.kv_lens[:B]
-        if compiled and B:  # padded to 2 rows and blocks at least: a size of 1 would specialize the compiled graph
+        if compiled:  # padded to 2 rows and blocks at least: a size of 1 would specialize the compiled graph
             one_token = self.pad(*one_token, max(B, 2), max(one_token[0].shape[1], 2))
         self.slots, self.table, self.one_token_table, self.one_token_len = self.stage(slots, table, *one_token)
 

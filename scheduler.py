@@ -21,38 +21,26 @@ class PagedEngine(Engine):
 
     batch_class = PagedBatch  # the CUDA extension's stages each step in one copy (ext/cuda.py)
 
-    def __init__(
-        self,
-        model,
-        *,
-        num_blocks,
-        block_size=16,
-        token_budget=512,
-        max_batch=64,
-        prefix_cache=True,
-        compile="auto",
-        **kw,
-    ):
-        super().__init__(model, max_batch=max_batch, **kw)  # and vocab_size, clock
+    def __init__(self, model, *, num_blocks, block_size=16, token_budget=512, prefix_cache=True, compile="auto", **kw):
+        super().__init__(model, **kw)  # and max_batch, vocab_size, clock
         if min(block_size, token_budget, num_blocks) < 1 or compile not in COMPILE_MODES:
             why = f"block_size {block_size}, token_budget {token_budget}, num_blocks {num_blocks} must be >= 1"
             raise ValueError(f"{why}, compile {compile!r} one of {COMPILE_MODES}")
         self.block_size = block_size
         self.token_budget = token_budget
         self.prefix_cache = prefix_cache
-        self.compile = "graph" if compile == "auto" and self.device.type == "cuda" else compile
+        self.compile = compile
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.kv_pool = allocate_pool(model.config, num_blocks, block_size, self.device, model.lm_head.weight.dtype)
-        self.k_pool, self.v_pool = self.kv_pool
         # auto: compiled decode attention on a GPU, and on a CPU from COMPILE_FROM_ROWS rows
-        self.compile_from = 1 if compile == "on" or self.k_pool.is_cuda else COMPILE_FROM_ROWS
-        self.max_running = min(max_batch, token_budget)  # so every decoding sequence fits in a step
+        self.compile_from = 1 if compile == "on" or self.kv_pool.is_cuda else COMPILE_FROM_ROWS
+        self.max_running = min(self.max_batch, token_budget)  # so every decoding sequence fits in a step
         # 1% of the blocks are kept free at admission, for running sequences to grow, as vLLM V0's
         # BlockSpaceManager(watermark=0.01)
         self.watermark = max(1, num_blocks // 100)
         # each running sequence's block table in its row, updated as it grows: no step rebuilds one from a list
         width = blocks_for(self.window, block_size)
-        self.block_tables = torch.full((max_batch, width), num_blocks, dtype=torch.int32)  # num_blocks: padding
+        self.block_tables = torch.full((self.max_batch, width), num_blocks, dtype=torch.int32)  # num_blocks: padding
 
     def check(self, r):
         super().check(r)
@@ -66,10 +54,8 @@ class PagedEngine(Engine):
         plan = self.schedule_decodes()
         budget = self.token_budget - len(plan)
         prefilling = [s for s in self.running if s.status is SequenceStatus.PREFILLING]
-        while self.waiting and budget > sum(s.num_uncomputed() for s in prefilling):
-            admitted = self.admit_next()
-            if not admitted:
-                break
+        # admit while the budget outlasts the prefills, until the head of the queue must wait
+        while self.waiting and budget > sum(s.num_uncomputed() for s in prefilling) and (admitted := self.admit_next()):
             prefilling += admitted
         for s in prefilling:
             if budget > 0:
@@ -135,24 +121,23 @@ class PagedEngine(Engine):
         """Whether a row is free and free blocks cover s's tokens less the cached ones (and `copies` more),
         leaving the watermark. Not while a running sequence computes s's next prefix block: s waits, and
         shares that block next step."""
-        if len(self.running) >= self.max_running:
-            return False
-        if self.prefix_cache and self.prefix_in_flight(s, len(cached)):
+        if len(self.running) >= self.max_running or self.prefix_cache and self.prefix_in_flight(s, len(cached)):
             return False
         need = blocks_for(len(s.tokens), self.block_size) - len(cached) + copies
         need += sum(self.allocator.ref_count[block] == 0 for block in cached)  # a free cached hit leaves the free
-        if self.running:  # alone, a sequence may take the watermark
-            need += self.watermark
+        need += self.watermark if self.running else 0  # alone, a sequence may take the watermark
         return self.allocator.can_allocate(need)
 
     def prefix_in_flight(self, s, k):
-        """Is a prefilling sequence computing block k of s's prefix right now?"""
-        if k >= (len(s.tokens) - 1) // self.block_size:
+        """Is a prefilling sequence computing block k of s's prefix (not its last token's) right now?"""
+        end = (k + 1) * self.block_size
+        if end >= len(s.tokens):
             return False
         block_hash = self.allocator.block_hash(s, k)
-        end = (k + 1) * self.block_size
-        computing = [x for x in self.running if x.status is SequenceStatus.PREFILLING and x.num_computed < end]
-        return any(end <= len(x.tokens) and self.allocator.block_hash(x, k) == block_hash for x in computing)
+        computing = [x for x in self.running if x.status is SequenceStatus.PREFILLING]
+        return any(
+            x.num_computed < end <= len(x.tokens) and self.allocator.block_hash(x, k) == block_hash for x in computing
+        )
 
     def admit(self, s, blocks):
         """s starts with `blocks` heading its tokens, already held: its cached prefix (the swap extension's

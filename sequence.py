@@ -47,9 +47,7 @@ class Request:
         self.max_new_tokens = max_new_tokens
         self.params = params or SamplingParams()
         self.status = RequestStatus.WAITING
-        self.arrival = None  # clock times
-        self.first_token_at = None
-        self.done_at = None
+        self.arrival = self.first_token_at = self.done_at = None  # clock times
         self.sequences = [Sequence(self, prompt, self.params.seed)]
 
     @property

@@ -80,6 +80,7 @@ class CudaGraphs:
         super().__init__(model, **kw)
         if self.device.type == "cuda":
             self.batch_class = StagedBatch
+            self.compile = "graph" if self.compile == "auto" else self.compile  # CUDA's default
         buckets = [1, 2, 4, 8, *range(16, self.max_running, 16)]
         self.graph_batches = [b for b in buckets if b < self.max_running] + [self.max_running]
         width = self.block_tables.shape[1]

@@ -51,7 +51,7 @@ class Forks:
             r.sequences = [Beam(r, r.prompt, r.params.seed)]
         super().add(r, arrival)
 
-    def check_forks(self, r):
+    def check_forks(self, r):  # the core calls it for n or num_beams other than 1
         p = r.params
         beam_ready = p.n == 1 and p.temperature == 0 and p.top_k is None and p.eos is None
         if min(p.n, p.num_beams) < 1 or (p.num_beams > 1 and not beam_ready):
@@ -96,8 +96,9 @@ class Forks:
         rest = [(x, token) for x, token in zip(samplers, tokens) if not is_beam(x.sequence)]
         super().append_tokens([x for x, _ in rest], [token for _, token in rest], now)
         beams = [x for x in samplers if is_beam(x.sequence)]
-        self.start_decoding(beams, now)
         for (s, _), logprobs in zip(beams, self.beam_logprobs if beams else []):
+            s.status = SequenceStatus.DECODING
+            s.request.first_token_at = now if s.request.first_token_at is None else s.request.first_token_at
             s.logprobs = logprobs
             if all(b.logprobs is not None for b in s.request.sequences):
                 self.step_beams(s.request, now)

@@ -113,7 +113,7 @@ def warm_up(engine, num_sequences):
         or min(engine.max_running, num_sequences) < engine.compile_from
     ):
         return
-    what = f"compiling decode attention (torch.compile, {engine.device.type}, {engine.k_pool.dtype})"
+    what = f"compiling decode attention (torch.compile, {engine.device.type}, {engine.kv_pool[0].dtype})"
     start, done = time.time(), threading.Event()
 
     def tick():  # on a terminal, the seconds so far on one line

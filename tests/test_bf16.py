@@ -107,7 +107,7 @@ def test_decode_reads_the_bf16_pool_without_a_float32_copy(model):
         while any(s.status is not SequenceStatus.DECODING for s in engine.running) or engine.waiting:
             engine.step()  # prefill all: the steps below decode only
         engine.step()  # compiles the decode graph, when compiled
-        assert engine.k_pool.dtype == torch.bfloat16 and len(engine.running) == 16
+        assert engine.kv_pool[0].dtype == torch.bfloat16 and len(engine.running) == 16
         c = model.config
         gathered = 16 * 64 * c.n_head * (c.n_embd // c.n_head)  # (S, L, H, D): keys of 48+ tokens, in 4 blocks
         batch = engine.make_batch([PlanEntry(s, 1) for s in engine.running], [])

@@ -56,13 +56,13 @@ def test_copy_on_write_copies_exactly_the_shared_partial_block(model):
     a, b, c = r.sequences
     assert a.block_table == b.block_table == c.block_table and engine.allocator.num_free() == 17
     assert [engine.allocator.ref_count[x] for x in a.block_table] == [3, 3, 3]
-    shared_k = engine.k_pool[:, a.block_table[2]].clone()
+    shared_k = engine.kv_pool[0][:, a.block_table[2]].clone()
     engine.step()  # each writes position 10 into block 2: two copy it first, the last keeps it
     tails = [s.block_table[2] for s in (a, b, c)]
     assert len(set(tails)) == 3 and engine.allocator.num_free() == 15, "not exactly one copy per extra holder"
     assert [engine.allocator.ref_count[x] for x in a.block_table[:2]] == [3, 3], "a full block was copied"
     for tail in tails:  # each copy holds the shared two tokens; each sequence then wrote its own third
-        torch.testing.assert_close(engine.k_pool[:, tail, :2], shared_k[:, :2], rtol=0, atol=0)
+        torch.testing.assert_close(engine.kv_pool[0][:, tail, :2], shared_k[:, :2], rtol=0, atol=0)
     run_engine(engine, [])
     leaks_nothing(engine)
 
