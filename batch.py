@@ -1,6 +1,6 @@
 """What one forward reads: the step's new tokens, their positions, and where each sequence's earlier K/V are.
 The model calls batch.attend(layer, q, k, v) and never sees the cache: PagedBatch (paged.py) keeps K/V in
-the block pool, ContiguousBatch (contiguous.py) in each sequence's own tensors."""
+the block pool, ContiguousBatch (harness/contiguous.py) in each sequence's own tensors."""
 
 from typing import NamedTuple
 
@@ -32,7 +32,7 @@ class StepBatch:
     (sequence, entry) reads the logits of its entry's last token: the forks of a prompt share its entry.
     Built on the host, then staged to the device (stage), where it has:
         idx, positions: (N,) the step's new tokens and their positions in their sequences;
-        logit_rows: (S,) the token whose logits each of the S samplers reads;
+        logit_rows: (S,) the token whose logits each of the S samplers reads (its entry's last, or `back` before);
         sample_rows: (S,) each sampler's row in the engine's per-sequence tensors;
         sample_pos: (S,) the position of the token each sampler draws;
     and a subclass's own tables. The constructor changes nothing outside the batch.
@@ -55,7 +55,8 @@ class StepBatch:
         tokens = longs([t for s, n in plan for t in s.tokens[s.num_computed : s.num_computed + n]])
         entries = longs([x.entry for x in samplers])  # (S,) each sampler's plan entry
         rows = longs([x.sequence.row for x in samplers])
-        host = tokens, self.host_positions, (ends - 1)[entries], rows, self.kv_lens[entries]
+        backs = longs([x.back for x in samplers])
+        host = tokens, self.host_positions, (ends - 1)[entries] - backs, rows, self.kv_lens[entries] - backs
         self.idx, self.positions, self.logit_rows, self.sample_rows, self.sample_pos = self.stage(*host)
 
     def stage(self, *tensors):

@@ -23,10 +23,12 @@ class PlanEntry(NamedTuple):
 
 
 class Sampler(NamedTuple):
-    """A sequence whose next token this step draws, from the logits of plan entry `entry`'s last token."""
+    """A sequence whose next token this step draws, from the logits of plan entry `entry`'s last token, or of the
+    token `back` before it (speculative decoding draws at each of an entry's tokens: ext/speculative.py)."""
 
     sequence: Sequence
     entry: int
+    back: int = 0
 
 
 WALL_CLOCK = SimpleNamespace(now=time.perf_counter, sleep=time.sleep)  # the harness sleeps; tests swap in fakes
@@ -85,7 +87,7 @@ class Engine:
             self.check_forks(r)
 
     def check_forks(self, r):  # n samples and beam search: the forks extension (ext/forks.py) runs them
-        raise ValueError(f"n {r.params.n}, num_beams {r.params.num_beams}: this engine runs one sequence a request")
+        raise ValueError(f"n {r.params.n}, num_beams {r.params.num_beams}: needs the forks extension, ext/forks.py")
 
     def run(self, requests):
         for r in requests:
@@ -139,7 +141,7 @@ class Engine:
 
     def sample(self, logits, batch, samplers):
         """A token for every sampler, drawn on the device from its row's settings: (S,), left on the device."""
-        cuts = [s.request.params.cut(self.vocab_size) for s, _ in samplers if s.request.params.temperature > 0]
+        cuts = [s.request.params.cut(self.vocab_size) for s, _, _ in samplers if s.request.params.temperature > 0]
         rows = batch.sample_rows
         return sample(
             logits,
@@ -154,7 +156,7 @@ class Engine:
     def append_tokens(self, samplers, tokens, now):
         """Each token joins its sequence, which decodes from now on, done at max_new_tokens or eos; a request's
         first token is stamped, and the request is done when all its sequences are."""
-        for (s, _), token in zip(samplers, tokens):
+        for (s, _, _), token in zip(samplers, tokens):
             r = s.request
             s.status = SequenceStatus.DECODING
             if r.first_token_at is None:  # a clock may read 0.0

@@ -52,7 +52,7 @@ class PagedEngine(Engine):
     def schedule(self):
         """The step's plan: decodes first, then prefill chunks in admission order until the budget runs out."""
         plan = self.schedule_decodes()
-        budget = self.token_budget - len(plan)
+        budget = self.token_budget - sum(n for _, n in plan)
         prefilling = [s for s in self.running if s.status is SequenceStatus.PREFILLING]
         # admit while the budget outlasts the prefills, until the head of the queue must wait
         while self.waiting and budget > sum(s.num_uncomputed() for s in prefilling) and (admitted := self.admit_next()):

@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from generate import HelpFormatter
 from harness.checkpoints import get_tokenizer, shakespeare
+from harness.flags import HelpFormatter
 from model import GPT, GPTConfig
 
 

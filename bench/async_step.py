@@ -49,7 +49,7 @@ class AsyncPagedEngine(ServingEngine):
         samplers = self.samplers(plan)
         launched = self.launch(plan, samplers)
         positions = []
-        for j, (s, _) in enumerate(samplers):  # placeholders, until the tokens reach the host
+        for j, (s, _, _) in enumerate(samplers):  # placeholders, until the tokens reach the host
             s.status = SequenceStatus.DECODING
             s.tokens.append(-1 - j)
             positions.append(len(s.tokens) - 1)
@@ -57,7 +57,7 @@ class AsyncPagedEngine(ServingEngine):
         self.pending = (samplers, *launched, positions) if samplers else None
         # the forks made this step take their parent's K/V here (ext/forks.py)
         self.mark_computed([e for e in plan if e.sequence.status is not SequenceStatus.DONE])
-        for s, _ in samplers:
+        for s, _, _ in samplers:
             if s.status is not SequenceStatus.DONE and len(s.generated) == s.request.max_new_tokens:
                 self.stop(s, SequenceStatus.DONE)
         if not self.running and not self.waiting:  # nothing will step again: the tokens are needed now
@@ -93,7 +93,7 @@ class AsyncPagedEngine(ServingEngine):
         if event:
             event.synchronize()
         now = self.clock.now()
-        for (s, _), position, token in zip(samplers, positions, host.tolist()):
+        for (s, _, _), position, token in zip(samplers, positions, host.tolist()):
             if position >= len(s.tokens):  # it sampled eos the step before: this row's token is dropped
                 continue
             s.tokens[position] = token
@@ -103,7 +103,7 @@ class AsyncPagedEngine(ServingEngine):
             if token == r.params.eos and s.status is not SequenceStatus.DONE:
                 del s.tokens[position + 1 :]  # the placeholder of a step that ran after it
                 self.stop(s, SequenceStatus.DONE)
-        for r in dict.fromkeys(s.request for s, _ in samplers):  # NOTE: a sequence stops at max_new_tokens only
+        for r in dict.fromkeys(s.request for s, _, _ in samplers):  # NOTE: a sequence stops at max_new_tokens only
             # after this, in the step that set its last placeholder, so every done sequence's tokens are here
             if r.done_at is None and all(x.status is SequenceStatus.DONE for x in r.sequences):
                 self.finish(r, now)

@@ -97,7 +97,7 @@ def run_vllm(dtype, prompts, windows):
 
 def agreement(a, b):
     """(mean share of each output identical before the first difference, outputs identical throughout)"""
-    from generate import agreement as share  # --compare's same_prefix_pct, the same measure; main process only
+    from harness.metrics import agreement as share  # --compare's same_prefix_pct, the same measure; main process only
 
     shares = [share(x, y) for x, y in zip(a, b)]
     return sum(shares) / len(shares), sum(x == y for x, y in zip(a, b))

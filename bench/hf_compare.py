@@ -29,8 +29,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from ext import ServingEngine, prepare
-from generate import prepare_output
 from harness.checkpoints import get_tokenizer, load_checkpoint, shakespeare
+from harness.flags import prepare_output
 from model import GPT, GPTConfig
 from sequence import Request, SamplingParams
 

@@ -1,5 +1,5 @@
 """From what weight size does a linear run faster on oneDNN's prepacked copy than through F.linear, in float32?
-prepack() packs a float32 weight only from 2**17 elements (prepack.py): this measures where that comes from.
+prepack() packs a float32 weight only from 2**17 elements (ext/tuning.py): this measures where that comes from.
 
     python bench/prepack_size.py
 
@@ -14,7 +14,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from prepack import Linear, prepack
+from ext.tuning import PackedLinear, prepack
 
 
 def mean_us(f, x, n=300):
@@ -36,10 +36,9 @@ def main():
     for K, N in [(32, 96), (32, 128), (64, 256), (128, 384), (128, 512), (256, 768), (768, 256), (768, 2304),
                  (128, 50304), (768, 50304)]:  # fmt: skip
         for M in (16, 256):
-            plain, packed = Linear(K, N).eval(), Linear(K, N).eval()
+            plain, packed = torch.nn.Linear(K, N).eval(), PackedLinear(K, N).eval()
             packed.load_state_dict(plain.state_dict())
-            packed.packed_weight = torch.ops.mkldnn._reorder_linear_weight(packed.weight.detach(), None)
-            packed.packed_bias, packed.packed_version = packed.bias.detach(), packed.weight._version
+            packed.pack(torch.float32)
             x = torch.randn(M, K)
             a, b = mean_us(plain, x), mean_us(packed, x)
             print(f"{K:>5} {N:>6} {K * N:>9,} {M:>4} {a:>12.1f} {b:>10.1f} {b / a:>14.2f}x")

@@ -3,6 +3,7 @@ names it, and each does nothing until asked for, so ServingEngine runs what the 
 token for token:
     forks.py   n samples and beam search, with copy-on-write      (SamplingParams n > 1, num_beams > 1)
     swap.py    swap preemption to host memory                      (swap_blocks > 0)
+    speculative.py  prompt-lookup speculative decoding             (num_speculative_tokens > 0 or "auto")
     cuda.py    one-copy staging and CUDA graphs of decode steps    (on CUDA; compile="graph", the default there)
     tuning.py  prepacked CPU linears, the process's settings       (prepare(model), before the engine)
     hf.py      Hugging Face GPT-2 import and export
@@ -13,6 +14,7 @@ token for token:
 
 from ext.cuda import CudaGraphs
 from ext.forks import PagedForks
+from ext.speculative import Speculative
 from ext.swap import Swap
 from ext.tuning import prepare
 from scheduler import PagedEngine
@@ -20,5 +22,5 @@ from scheduler import PagedEngine
 __all__ = ["ServingEngine", "prepare"]
 
 
-class ServingEngine(PagedForks, Swap, CudaGraphs, PagedEngine):
+class ServingEngine(Speculative, PagedForks, Swap, CudaGraphs, PagedEngine):
     """PagedEngine with every extension: what generate.py serves with."""

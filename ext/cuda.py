@@ -13,12 +13,14 @@ from paged import PagedBatch
 def stage(tensors, device):
     """Host int64 tensors -> views of one device tensor, copied in one go (from pinned memory on CUDA)."""
     sizes = [t.numel() for t in tensors]
+    pinned = device.type == "cuda"
     # NOTE: a new host buffer each step: a step that samples nothing does not wait for the device, and the
     # caching host allocator hands a pinned buffer out again only once its copy is done
-    host = torch.empty(sum(sizes), dtype=torch.long, pin_memory=device.type == "cuda")
+    host = torch.empty(sum(sizes), dtype=torch.long, pin_memory=pinned)
     torch.cat([t.flatten() for t in tensors], out=host)
     staged = host.to(device, non_blocking=True)  # the step's end waits for the sampled tokens, and so for this
-    return [piece.view(t.shape) for t, piece in zip(tensors, staged.split(sizes))]
+    pieces = staged.split(sizes)
+    return [piece.view(t.shape) for t, piece in zip(tensors, pieces)]
 
 
 class StagedBatch(PagedBatch):
@@ -28,17 +30,24 @@ class StagedBatch(PagedBatch):
         return stage(tensors, self.device)
 
 
+def pad_rows(t, rows, value=0):
+    """t: (n,) -> (rows,), the new places holding value."""
+    return F.pad(t, (0, rows - len(t)), value=value)
+
+
 class GraphInputs:
     """What a captured decode step of B rows, each reading W blocks, reads: device tensors allocated once, so
     that every replay of its graph reads the same addresses; a step copies its own values in."""
 
     def __init__(self, B, W, device):
-        self.idx, self.positions, self.logit_rows, self.slots, self.one_token_len = torch.zeros(
-            5, B, dtype=torch.long, device=device
-        )
+        self.idx = torch.zeros(B, dtype=torch.long, device=device)
+        self.positions = torch.zeros_like(self.idx)
+        self.logit_rows = torch.zeros_like(self.idx)
+        self.slots = torch.zeros_like(self.idx)
+        self.one_token_len = torch.zeros_like(self.idx)
         self.one_token_table = torch.zeros(B, W, dtype=torch.long, device=device)
 
-    def fields(self):  # in the order GraphBatch pads them
+    def fields(self):
         return [self.idx, self.positions, self.logit_rows, self.slots, self.one_token_len, self.one_token_table]
 
 
@@ -51,17 +60,25 @@ class GraphBatch(PagedBatch):
         super().__init__(plan, samplers, device, kv_pool, block_tables, compiled=False)
         self.compiled = True
         self.inputs = inputs
-        B, W = self.padded_shape = inputs.one_token_table.shape
+        B, W = inputs.one_token_table.shape
+        self.padded_shape = (B, W)
         self.num_one_token = B
-        padding_slot = (self.k_pool.shape[1] - 1) * self.k_pool.shape[2]  # the padding block's first
-        host = [F.pad(t, (0, B - len(t))) for t in (self.idx, self.positions, self.logit_rows)]  # (B,) each
-        host += [F.pad(self.slots, (0, B - len(self.slots)), value=padding_slot)]
-        host += self.pad(self.one_token_table, self.one_token_len, B, W)[::-1]
-        staged = stage([*host, self.sample_rows, self.sample_pos], device)
+        padding_block = self.k_pool.shape[1] - 1
+        block_size = self.k_pool.shape[2]
+        table, kv_len = self.pad(self.one_token_table, self.one_token_len, B, W)
+        idx = pad_rows(self.idx, B)
+        positions = pad_rows(self.positions, B)
+        logit_rows = pad_rows(self.logit_rows, B)
+        slots = pad_rows(self.slots, B, padding_block * block_size)
+        read = [idx, positions, logit_rows, slots, kv_len, table]  # what the graph reads, as inputs.fields()
+        staged = stage(read + [self.sample_rows, self.sample_pos], device)
         torch._foreach_copy_(inputs.fields(), staged[:6])
-        self.idx, self.positions, self.logit_rows, self.slots, self.one_token_len, self.one_token_table = (
-            inputs.fields()
-        )
+        self.idx = inputs.idx
+        self.positions = inputs.positions
+        self.logit_rows = inputs.logit_rows
+        self.slots = inputs.slots
+        self.one_token_len = inputs.one_token_len
+        self.one_token_table = inputs.one_token_table
         self.sample_rows, self.sample_pos = staged[6:]
 
     def stage(self, *tensors):  # the host tensors: the constructor pads and stages them
@@ -81,17 +98,21 @@ class CudaGraphs:
         if self.device.type == "cuda":
             self.batch_class = StagedBatch
             self.compile = "graph" if self.compile == "auto" else self.compile  # CUDA's default
-        buckets = [1, 2, 4, 8, *range(16, self.max_running, 16)]
-        self.graph_batches = [b for b in buckets if b < self.max_running] + [self.max_running]
+        largest = self.max_running
+        buckets = [1, 2, 4, 8, *range(16, largest, 16)]
+        self.graph_batches = [b for b in buckets if b < largest] + [largest]
         width = self.block_tables.shape[1]
         padded = self.compile == "graph"
-        self.graph_inputs = {b: GraphInputs(b, width, self.device) for b in self.graph_batches if padded}
+        self.graph_inputs = {}  # batch -> the inputs its graph reads
+        for b in self.graph_batches if padded else []:
+            self.graph_inputs[b] = GraphInputs(b, width, self.device)
         self.graphs = {}  # batch -> (its CUDA graph, the logits it writes)
         if padded and self.device.type == "cuda":
             self.capture_graphs()
 
     def make_batch(self, plan, samplers):
-        decode_only = len(samplers) <= len(plan) == sum(n == 1 for _, n in plan)
+        num_one_token = sum(n == 1 for _, n in plan)
+        decode_only = len(samplers) <= len(plan) == num_one_token
         if not (self.graph_inputs and decode_only):
             return super().make_batch(plan, samplers)
         inputs = self.graph_inputs[self.graph_batch(len(plan))]
@@ -104,7 +125,8 @@ class CudaGraphs:
     def capture_graphs(self):
         pool = None
         for b in reversed(self.graph_batches):
-            batch = self.graph_batch_class([], [], self.device, self.kv_pool, self.block_tables, self.graph_inputs[b])
+            inputs = self.graph_inputs[b]
+            batch = self.graph_batch_class([], [], self.device, self.kv_pool, self.block_tables, inputs)
             self.forward(batch)  # warm-up: compiles and allocates outside the capture
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
@@ -113,7 +135,8 @@ class CudaGraphs:
             self.graphs[b] = (graph, logits)
 
     def forward(self, batch):
-        if not isinstance(batch, GraphBatch) or len(batch.idx) not in self.graphs:  # launch kernels one by one
+        captured = isinstance(batch, GraphBatch) and len(batch.idx) in self.graphs
+        if not captured:  # launch the forward's kernels one by one
             return super().forward(batch)
         graph, logits = self.graphs[len(batch.idx)]
         graph.replay()

@@ -64,10 +64,11 @@ class Forks:
         """Fork each prompt of n samples whose last chunk is planned, so that its forks draw in this step too,
         from its logits."""
         samplers = []
-        for s, i in super().samplers(plan):
+        for s, i, _ in super().samplers(plan):
             r = s.request
             if r.params.n > 1 and len(r.sequences) == 1:
-                r.sequences += [self.fork(s, r.params.seed + j) for j in range(1, r.params.n)]
+                seeds = range(r.params.seed + 1, r.params.seed + r.params.n)
+                r.sequences += [self.fork(s, seed) for seed in seeds]
                 self.forked += [(s, x) for x in r.sequences[1:]]
                 samplers += [Sampler(x, i) for x in r.sequences]
             else:
@@ -86,19 +87,21 @@ class Forks:
         self.forked = []
 
     def sample(self, logits, batch, samplers):
-        beams = [j for j, (s, _) in enumerate(samplers) if is_beam(s)]
+        beams = [j for j, (s, _, _) in enumerate(samplers) if is_beam(s)]
         if beams:  # in float32, as HF's beam search
             self.beam_logprobs = torch.log_softmax(logits[beams].float(), -1).cpu()
         return super().sample(logits, batch, samplers)
 
     def append_tokens(self, samplers, tokens, now):
         """A beam holds its log-probabilities instead of a token; its group steps once all its beams hold theirs."""
-        rest = [(x, token) for x, token in zip(samplers, tokens) if not is_beam(x.sequence)]
-        super().append_tokens([x for x, _ in rest], [token for _, token in rest], now)
+        plain = [x for x in samplers if not is_beam(x.sequence)]
+        plain_tokens = [token for x, token in zip(samplers, tokens) if not is_beam(x.sequence)]
+        super().append_tokens(plain, plain_tokens, now)
         beams = [x for x in samplers if is_beam(x.sequence)]
-        for (s, _), logprobs in zip(beams, self.beam_logprobs if beams else []):
+        for (s, _, _), logprobs in zip(beams, self.beam_logprobs if beams else []):
             s.status = SequenceStatus.DECODING
-            s.request.first_token_at = now if s.request.first_token_at is None else s.request.first_token_at
+            if s.request.first_token_at is None:
+                s.request.first_token_at = now
             s.logprobs = logprobs
             if all(b.logprobs is not None for b in s.request.sequences):
                 self.step_beams(s.request, now)
@@ -108,11 +111,14 @@ class Forks:
         live beams by summed log-probability (float32) survive, best first; a beam continued more than once
         forks, and a beam not continued dies and frees its blocks. Ends when the beams reach max_new_tokens."""
         beams = r.sequences
-        scores = torch.stack([b.logprobs for b in beams]) + torch.tensor([b.score for b in beams])[:, None]  # (B, V)
+        logprobs = torch.stack([b.logprobs for b in beams])  # (B, V)
+        scores = logprobs + torch.tensor([b.score for b in beams])[:, None]
         # fewer than num_beams only when the vocabulary is smaller
         top = scores.flatten().topk(min(r.params.num_beams, scores.numel()))
         V = scores.shape[1]
-        picks = [(beams[i // V], i % V, score) for i, score in zip(top.indices.tolist(), top.values.tolist())]
+        indices = top.indices.tolist()
+        values = top.values.tolist()
+        picks = [(beams[i // V], i % V, score) for i, score in zip(indices, values)]
         parents = [parent for parent, _, _ in picks]
         for b in beams:
             if b not in parents:
@@ -198,9 +204,11 @@ class PagedForks(Forks):
         if sum(num_rows(x) for x in self.running + group) > self.max_running:
             return []
         hits = [self.allocator.cached_prefix(x) if self.prefix_cache else [] for x in group]
-        need = sum(blocks_for(len(x.tokens), self.block_size) - len(h) for x, h in zip(group, hits))
+        need = sum(blocks_for(len(x.tokens), self.block_size) for x in group) - sum(map(len, hits))
         revived = {block for h in hits for block in h if self.allocator.ref_count[block] == 0}
-        if not self.allocator.can_allocate(need + len(revived) + self.watermark * bool(self.running)):
+        need += len(revived)  # a free cached hit leaves the free blocks
+        need += self.watermark if self.running else 0
+        if not self.allocator.can_allocate(need):
             return []
         # NOTE: every hit is shared before any member allocates, which could evict a free cached block
         # that another member of the group is about to share

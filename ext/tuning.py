@@ -40,7 +40,9 @@ def worth_packing(linear):
     oneDNN's call costs ~20 us more than F.linear's (1.0-3.2x below that size, 0.6-1.0x above, on an AMX Xeon:
     docs/bf16.md#prepacked-weights)."""
     w = linear.weight
-    return w.device.type == "cpu" and (w.dtype == torch.bfloat16 or w.dtype == torch.float32 and w.numel() >= 1 << 17)
+    if w.device.type != "cpu":
+        return False
+    return w.dtype == torch.bfloat16 or w.dtype == torch.float32 and w.numel() >= 1 << 17
 
 
 def prepack(model):
@@ -75,7 +77,9 @@ def prepare(model):
     never does it: glibc's allocator keeps freed memory (keep_freed_memory); on a GPU, SDPA's cuDNN backend is
     off, as it builds a plan for each new shape and a step's shapes change every step (7x slower end to end in
     bf16 on an H200: docs/compile.md#on-a-gpu), while flash and memory-efficient attention take any shape."""
+    prepack(model)
+    # after packing, as the engine did before prepare existed: the packed weights come from mmap, with the
+    # allocator's defaults
     keep_freed_memory()
     torch.backends.cuda.enable_cudnn_sdp(False)
-    prepack(model)
     return model

@@ -35,6 +35,9 @@ class Meter(Observer):
         self.recomputed_tokens = 0
         self.step_share = 0.0
         self.recompute_s = 0.0  # each step's seconds shared among its tokens: an estimate
+        self.proposed_tokens = 0  # speculative decoding (ext/speculative.py): tokens proposed and verified,
+        self.accepted_tokens = 0  # those accepted,
+        self.verify_steps = 0  # and the sequences' steps that verified some
         engine.observers.append(self)
 
     def planned(self, plan):
@@ -73,6 +76,11 @@ class Meter(Observer):
         elif getattr(self.engine, "swap_blocks", 0):  # the swap space (ext/swap.py) could not take it
             self.swap_fallbacks += 1
         self.swap_start = None
+
+    def verified(self, sequence, proposed, accepted):
+        self.proposed_tokens += proposed
+        self.accepted_tokens += accepted
+        self.verify_steps += 1
 
     def swapped_in(self, sequence, num_blocks):
         self.swapped_in_blocks += num_blocks
@@ -148,6 +156,10 @@ TABLE_KEYS = [
     "kv_slots_used_peak",
     "kv_waste_pct",
     "kv_ahead_pct",
+    "spec_proposed_tokens",
+    "spec_accepted_tokens",
+    "spec_acceptance_pct",
+    "spec_tokens_per_verify",
     "num_blocks",
     "block_size",
 ]
@@ -216,7 +228,21 @@ def metrics(meter, wall_s, rate, kv_budget):
             swap_in_ms=meter.swap_in_s * 1000,
             swap_fallbacks=meter.swap_fallbacks,
         )
+    if getattr(engine, "num_speculative_tokens", 0):
+        m.update(speculation(meter.proposed_tokens, meter.accepted_tokens, meter.verify_steps))
     return m
+
+
+def speculation(proposed, accepted, verify_steps):
+    """Speculative decoding's figures: tokens proposed and accepted, the share accepted, and the tokens a
+    sequence gained per verify step (its accepted proposals and its one drawn token)."""
+    return dict(
+        spec_proposed_tokens=proposed,
+        spec_accepted_tokens=accepted,
+        spec_verify_steps=verify_steps,
+        spec_acceptance_pct=100 * accepted / proposed if proposed else None,
+        spec_tokens_per_verify=(accepted + verify_steps) / verify_steps if verify_steps else None,
+    )
 
 
 def cell(v):
@@ -250,3 +276,15 @@ def sweep_table(rows, columns):
     lines = [f"{'':<22}" + "".join(f"{header:>16}" for header, _ in columns)]
     lines += [f"{label:<22}" + "".join(f"{cell(row.get(key)):>16}" for _, key in columns) for label, row in rows]
     return "\n".join(lines)
+
+
+def outputs(r):
+    return [s.generated for s in returned(r)]
+
+
+def agreement(a, b):
+    """The share of two outputs that is identical before their first difference: 1.0 when they are equal."""
+    if a == b:
+        return 1.0
+    same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return same / max(len(a), len(b))

@@ -30,3 +30,6 @@ class Observer:
 
     def copied(self, block):  # a block copied on write, now held by the sequence that writes it
         pass
+
+    def verified(self, sequence, proposed, accepted):  # speculative decoding kept `accepted` of `proposed` tokens
+        pass

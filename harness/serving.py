@@ -94,6 +94,8 @@ def make_engine(model, kind, args, prompts, news, vocab_size):
         prefix_cache=kind == "paged_prefix",
         compile=args.compile,
         swap_blocks=args.swap_blocks,  # parse_args: none unless --preemption swap
+        num_speculative_tokens=args.num_speculative_tokens,
+        prompt_lookup_max=args.prompt_lookup_max or 3,
         vocab_size=vocab_size,
     )
     if engine.graphs:

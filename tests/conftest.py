@@ -66,9 +66,16 @@ def check_invariants(engine):
         check_swap_space(engine)
     rows = [r.row for r in engine.running]
     assert sorted(rows + engine.free_rows) == list(range(engine.max_batch)), "a row is lost or held twice"
+    bs = engine.block_size
     for r in engine.running:  # the persistent table mirrors each block table, and never names padding's block
         assert engine.block_tables[r.row, : len(r.block_table)].tolist() == r.block_table
         assert alloc.num_blocks not in r.block_table
+        # no block past its tokens: speculation's rejected slots went back at once
+        assert len(r.block_table) <= -(-len(r.tokens) // bs), "a sequence holds a block past its tokens"
+        for k, block in enumerate(r.block_table):  # a block in the prefix cache holds the tokens it is found by
+            if block in alloc.hash_of:
+                cached_tokens = alloc.by_hash[alloc.hash_of[block]][1]
+                assert cached_tokens == tuple(r.tokens[k * bs : (k + 1) * bs]), f"block {block} is cached as others"
     clean, cached = set(alloc.clean), set(alloc.cached_free)
     assert len(clean) == len(alloc.clean), "a block is twice on the clean stack"
     for block in range(alloc.num_blocks):
@@ -81,7 +88,7 @@ def check_invariants(engine):
     assert cached <= set(alloc.hash_of), "a cached block has no hash"
     assert all(alloc.hash_of[b] == h and alloc.by_hash[h][0] == b for h, (b, _) in alloc.by_hash.items())
     assert len(alloc.by_hash) == len(alloc.hash_of)
-    bs = engine.block_size  # slots holding K/V, each counted once however many sequences share its block
+    # slots holding K/V, each counted once however many sequences share its block
     written = {(r.block_table[p // bs], p % bs) for r in engine.running for p in range(r.num_computed)}
     assert kv_slots(engine)["used"] == len(written)
 

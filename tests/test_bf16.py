@@ -153,8 +153,8 @@ def test_bf16_engine_under_preemption_stays_on_the_baselines_path():
     identical throughout: on an AVX2 EPYC (float32 copies of the weights), 96% and 14-15 of 16; on a Xeon with
     AMX (bf16 kernels), eager 100% and 16, compiled 96% and 14 (other prompt seeds there: 82-100%, 12-16).
     Compiled decode attention summing in bf16 instead of float32 gave 86.5% and 13."""
-    from generate import agreement
     from harness.contiguous import ContiguousEngine
+    from harness.metrics import agreement
 
     model = load_checkpoint(checkpoints.SHIPPED).to(torch.bfloat16)
     prepack(model)

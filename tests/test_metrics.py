@@ -4,9 +4,8 @@ benchmark figures (TTFT, TPOT, latency, percentiles) and the KV slots' use; --co
 import pytest
 from conftest import run_engine
 
-import generate
 from harness.contiguous import ContiguousEngine
-from harness.metrics import Meter, cell, metrics, percentile
+from harness.metrics import Meter, agreement, cell, metrics, percentile
 from harness.observer import Observer
 from scheduler import PagedEngine
 from sequence import Request
@@ -45,11 +44,11 @@ def test_tpot_is_not_applicable_when_every_request_makes_one_token(model):
 
 
 def test_agreement_is_the_share_of_an_output_identical_before_its_first_difference():
-    assert generate.agreement([1, 2, 3, 4], [1, 2, 3, 4]) == 1.0
-    assert generate.agreement([1, 2, 9, 4], [1, 2, 3, 4]) == 0.5
-    assert generate.agreement([5, 2], [1, 2]) == 0.0
-    assert generate.agreement([1, 2], [1, 2, 3, 4]) == 0.5  # one stopped early (eos): the rest differs
-    assert generate.agreement([], []) == 1.0
+    assert agreement([1, 2, 3, 4], [1, 2, 3, 4]) == 1.0
+    assert agreement([1, 2, 9, 4], [1, 2, 3, 4]) == 0.5
+    assert agreement([5, 2], [1, 2]) == 0.0
+    assert agreement([1, 2], [1, 2, 3, 4]) == 0.5  # one stopped early (eos): the rest differs
+    assert agreement([], []) == 1.0
 
 
 class TokenClock(Observer):

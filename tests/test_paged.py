@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import baseline, make_requests, run_engine, tiny_gpt
 
+from ext import ServingEngine
 from paged import BlockAllocator, gather_attend, gather_kv, write_kv
 from scheduler import PagedEngine
 from sequence import Request, RequestStatus, SamplingParams
@@ -162,7 +163,7 @@ def test_paged_on_cuda_equals_the_cpu_engines_token_for_token(model, compile):
     for temperature, top_k in [(0.0, None), (1.0, 30)]:
         want = baseline(model, prompts, news, temperature, top_k)
         for num_blocks in (400, 24):
-            engine = PagedEngine(
+            engine = ServingEngine(  # compile "graph" pads and captures: the CUDA extension's
                 cuda_model, num_blocks=num_blocks, block_size=4, token_budget=16, max_batch=6, compile=compile
             )
             requests = make_requests(prompts, news, temperature, top_k)
@@ -175,10 +176,10 @@ def test_paged_on_cuda_equals_the_cpu_engines_token_for_token(model, compile):
         ]
         return samples + [Request(p, 8, SamplingParams(num_beams=3)) for p in prompts[4:7]]
 
-    for num_blocks in (400, 40):
+    for num_blocks in (400, 40):  # samples and beams: the forks extension's, in the engine with every extension
         on_cpu, on_cuda = forks(), forks()
-        run_engine(PagedEngine(model, num_blocks=num_blocks, block_size=4, token_budget=16, max_batch=12), on_cpu)
-        engine = PagedEngine(
+        run_engine(ServingEngine(model, num_blocks=num_blocks, block_size=4, token_budget=16, max_batch=12), on_cpu)
+        engine = ServingEngine(
             cuda_model, num_blocks=num_blocks, block_size=4, token_budget=16, max_batch=12, compile=compile
         )
         run_engine(engine, on_cuda, check=True)
@@ -191,7 +192,7 @@ def test_prepare_turns_off_cudnn_attention_which_plans_every_new_shape_and_engin
     """On a GPU, SDPA's cuDNN backend builds a plan for each new shape, and a serving step's shapes change every
     step: bf16 ran 7x slower end to end with it on an H200 (docs/compile.md#on-a-gpu). ext.prepare, which the
     command line and example.py call, turns it off; an engine changes no process-wide setting."""
-    from ext import ServingEngine, prepare
+    from ext import prepare
     from harness.contiguous import ContiguousEngine
 
     engines = [PagedEngine, ServingEngine, ContiguousEngine]

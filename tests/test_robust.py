@@ -100,6 +100,9 @@ def test_soak_5000_short_requests_through_a_tiny_pool_leak_nothing(model):
         (([1], 5, -1.0), "temperature -1.0 must be a finite number >= 0"),
         (([1], 5, float("nan")), "temperature nan must be a finite number >= 0"),
         (([1], 5, 1.0, 0), "top_k 0 >= 1"),
+        # the core runs one sequence a request: samples and beams are the forks extension's
+        (([1], 5, 0.8, None, 0, 2), "n 2, num_beams 1: needs the forks extension, ext/forks.py"),
+        (([1], 5, 0.0, None, 0, 1, 3), "n 1, num_beams 3: needs the forks extension, ext/forks.py"),
     ],
 )
 def test_requests_that_can_never_run_are_refused_and_others_go_on(model, request_args, message):

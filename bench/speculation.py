@@ -1,0 +1,189 @@
+"""Where does speculative decoding by prompt lookup pay? The trained tiny model on held-out Shakespeare prompts of
+64 tokens, 128 new each, greedy, float32: the engine with --num-speculative-tokens k (1, 2, 4, 8 and auto)
+against the same engine without, at batch 1, 8 and 64 (max_batch; max(batch, 8) requests a run), each pair
+alternated in one process, repeated; outputs checked token for token against plain decoding. Then, at batch 1,
+Hugging Face's generate(prompt_lookup_num_tokens=k) on the same weights against its plain greedy generate, and
+ours against it.
+
+    python bench/speculation.py [--repeats 3] [--batches 1,8,64] [--ks 1,2,4,8,auto] [--plot out/speculation.png]
+"""
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from ext import ServingEngine, prepare
+from harness.checkpoints import SHIPPED, get_tokenizer, load_checkpoint, shakespeare
+from harness.metrics import speculation
+from sequence import Request
+
+PROMPT_TOKENS, NEW_TOKENS = 64, 128
+
+
+def prompts(n, seed=1):
+    """n windows of PROMPT_TOKENS tokens cut from the held-out plays."""
+    val = get_tokenizer(2048).encode_ordinary(shakespeare()[1])
+    rng = random.Random(seed)
+    starts = [rng.randrange(len(val) - PROMPT_TOKENS) for _ in range(n)]
+    return [val[s : s + PROMPT_TOKENS] for s in starts]
+
+
+def run_ours(model, batch_prompts, batch, k):
+    """-> (seconds, outputs, speculation's figures)."""
+    engine = ServingEngine(model, num_blocks=2048, max_batch=batch, num_speculative_tokens=k)
+    requests = [Request(p, NEW_TOKENS) for p in batch_prompts]
+    start = time.perf_counter()
+    engine.run(requests)
+    seconds = time.perf_counter() - start
+    stats = [sum(s[i] for s in engine.speculation.values()) for i in range(3)]
+    return seconds, [r.generated for r in requests], speculation(*stats)
+
+
+def to_hf(model):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    c = model.config
+    hf = GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=c.vocab_size,
+            n_positions=c.block_size,
+            n_embd=c.n_embd,
+            n_layer=c.n_layer,
+            n_head=c.n_head,
+            activation_function="gelu",
+            resid_pdrop=0,
+            embd_pdrop=0,
+            attn_pdrop=0,
+        )
+    )
+    state = {}
+    for name, v in model.state_dict().items():  # our Linear (out, in) -> HF's Conv1D (in, out)
+        state[name] = v.t() if name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")) else v
+    hf.load_state_dict(state, strict=False)
+    hf.generation_config.eos_token_id = None
+    return hf.eval()
+
+
+@torch.no_grad()
+def run_hf(hf, batch_prompts, k):
+    """One prompt at a time (prompt lookup takes batch 1) -> (seconds, outputs)."""
+    outputs, start = [], time.perf_counter()
+    for p in batch_prompts:
+        lookup = dict(prompt_lookup_num_tokens=k, max_matching_ngram_size=3) if k else {}
+        out = hf.generate(
+            torch.tensor([p]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, **lookup
+        )
+        outputs.append(out[0, len(p) :].tolist())
+    return time.perf_counter() - start, outputs
+
+
+def fmt(xs):
+    return f"{statistics.median(xs):.2f}x ({min(xs):.2f}-{max(xs):.2f})"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--batches", default="1,8,64")
+    p.add_argument("--ks", default="1,2,4,8,auto")
+    p.add_argument("--hf-ks", default="2,4", help="HF's prompt_lookup_num_tokens to run at batch 1 ('' for none)")
+    p.add_argument("--plot", help="draw tok/s against k, one line per batch, to this image file")
+    args = p.parse_args()
+    model = prepare(load_checkpoint(SHIPPED))
+    with open("/proc/cpuinfo") as f:
+        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
+    print(f"$ python bench/speculation.py --repeats {args.repeats} --batches {args.batches} --ks {args.ks}")
+    print(f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+          f"{time.strftime('%Y-%m-%d')}; the shipped model, float32, greedy")  # fmt: skip
+    ks = [k if k == "auto" else int(k) for k in args.ks.split(",")]
+    curves = {}
+    for batch in map(int, args.batches.split(",")):
+        batch_prompts = prompts(max(batch, 8))
+        tokens = len(batch_prompts) * NEW_TOKENS
+        run_ours(model, batch_prompts[:2], batch, 4)  # warm-up
+        print(f"--- batch {batch}: {len(batch_prompts)} requests of {PROMPT_TOKENS} + {NEW_TOKENS} tokens")
+        print(
+            "| k | plain tok/s | speculative tok/s | speculative / plain | accepted | tokens per verify step | same |"
+        )
+        print("|---|---|---|---|---|---|---|")
+        for k in ks:
+            plain, spec, same, figures = [], [], True, None
+            for _ in range(args.repeats):
+                seconds, want, _ = run_ours(model, batch_prompts, batch, 0)
+                plain.append(seconds)
+                seconds, got, figures = run_ours(model, batch_prompts, batch, k)
+                spec.append(seconds)
+                same = same and got == want
+            ratios = [a / b for a, b in zip(plain, spec)]
+            curves.setdefault(batch, []).append(
+                (k, tokens / statistics.median(spec), tokens / statistics.median(plain))
+            )
+            accepted = "-" if figures["spec_acceptance_pct"] is None else f"{figures['spec_acceptance_pct']:.0f}%"
+            per_step = figures["spec_tokens_per_verify"]
+            print(
+                f"| {k} | {tokens / statistics.median(plain):,.0f} | {tokens / statistics.median(spec):,.0f} | "
+                f"{fmt(ratios)} | {accepted} | {'-' if per_step is None else f'{per_step:.2f}'} | {same} |",
+                flush=True,
+            )
+    if args.hf_ks:
+        hf_table(model, [int(k) for k in args.hf_ks.split(",")], args.repeats)
+    if args.plot:
+        plot(curves, args.plot)
+
+
+def hf_table(model, ks, repeats):
+    """Batch 1: HF's prompt lookup against its plain greedy generate, and ours (speculating) against HF's."""
+    hf = to_hf(model)
+    batch_prompts = prompts(8)
+    tokens = len(batch_prompts) * NEW_TOKENS
+    run_hf(hf, batch_prompts[:1], ks[0])
+    print(f"--- batch 1, Hugging Face transformers generate: {len(batch_prompts)} prompts, one at a time")
+    print("| k | HF plain tok/s | HF prompt lookup tok/s | ours, k, tok/s | ours / HF lookup | same: HF lookup, ours |")
+    print("|---|---|---|---|---|---|")
+    for k in ks:
+        hf_plain, hf_lookup, ours, same = [], [], [], [True, True]
+        for _ in range(repeats):
+            seconds, want = run_hf(hf, batch_prompts, 0)
+            hf_plain.append(seconds)
+            seconds, got = run_hf(hf, batch_prompts, k)
+            hf_lookup.append(seconds)
+            same[0] = same[0] and got == want
+            seconds, got, _ = run_ours(model, batch_prompts, 1, k)
+            ours.append(seconds)
+            same[1] = same[1] and got == want
+        ratios = [h / o for h, o in zip(hf_lookup, ours)]
+        cells = [tokens / statistics.median(xs) for xs in (hf_plain, hf_lookup, ours)]
+        print(f"| {k} | {cells[0]:,.0f} | {cells[1]:,.0f} | {cells[2]:,.0f} | {fmt(ratios)} | {same[0]}, {same[1]} |")
+
+
+def plot(curves, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for batch, points in curves.items():
+        numeric = [(k, spec, plain) for k, spec, plain in points if k != "auto"]
+        line = ax.plot([k for k, _, _ in numeric], [s / p for _, s, p in numeric], marker="o", label=f"batch {batch}")
+        auto = [s / p for k, s, p in points if k == "auto"]
+        if auto:
+            ax.scatter([0], auto, marker="*", s=120, color=line[0].get_color())
+    ax.axhline(1.0, color="black", linewidth=0.6)
+    ax.set_xlabel("proposed tokens k (star at 0: auto)")
+    ax.set_ylabel("tok/s, speculative / plain")
+    ax.set_title("prompt-lookup speculation, the tiny model, 64 + 128 tokens, greedy, CPU")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot written to {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""Speculative decoding by prompt lookup (vLLM's "ngram" method, Hugging Face's prompt_lookup_num_tokens), with
+outputs identical to plain decoding, token for token.
+
+Each decoding sequence may propose up to k tokens: those that followed the latest earlier occurrence of its
+longest suffix of at most prompt_lookup_max tokens. Its plan entry then brings 1 + k tokens, its last token and
+the proposals, which the forward attends as a prefill chunk over its cached K/V. The step draws, at each of the
+entry's positions, the token plain decoding would draw there: the sampler hashes (seed, position), so a draw
+depends only on the logits and the position. The proposals are kept up to the first that differs from its
+draw, and that draw is kept too. The rest is rolled back exactly: the rejected tokens leave the sequence, its
+num_computed counts only the kept K/V, blocks that hold only rejected slots go back to the allocator at once,
+and only blocks whose every token was kept enter the prefix cache.
+
+Plugs into the paged engine at schedule_decodes (proposals get slots, never by preempting), samplers (a
+sampler for each of an entry's positions), mark_computed, append_tokens (verify and roll back) and preempt.
+Speculation never preempts and never runs for beams. num_speculative_tokens "auto" speculates only while
+few sequences decode, where a verify step costs about what a decode step costs (AUTO_MAX_DECODING)."""
+
+from engine import PlanEntry, Sampler
+from paged import blocks_for
+from sequence import SequenceStatus
+
+# num_speculative_tokens "auto": this many proposed tokens, while at most AUTO_MAX_DECODING sequences decode
+# (bench/speculation.py measures where speculation stops paying on a CPU: docs/speculation.md)
+AUTO_TOKENS = 4
+AUTO_MAX_DECODING = 8
+
+
+class NgramIndex:
+    """Where each n-gram of a sequence's tokens last ended, for n up to max_n: ends[gram] is the position just
+    after its latest occurrence that some token follows. Grows with the sequence's kept tokens, which only grow."""
+
+    def __init__(self, max_n):
+        self.max_n = max_n
+        self.ends = {}
+        self.indexed = 0  # the positions below it are indexed as an n-gram's end
+
+    def propose(self, tokens, k):
+        """Up to k tokens that followed the latest earlier occurrence of the longest matching suffix."""
+        while self.indexed < len(tokens) - 1:  # a gram ending at the last token has no token after it yet
+            self.indexed += 1
+            for n in range(1, min(self.max_n, self.indexed) + 1):
+                self.ends[tuple(tokens[self.indexed - n : self.indexed])] = self.indexed
+        for n in range(min(self.max_n, len(tokens)), 0, -1):
+            end = self.ends.get(tuple(tokens[-n:]))
+            if end is not None:
+                return tokens[end : end + k]
+        return []
+
+
+class Speculative:
+    """A PagedEngine mixin: prompt-lookup speculation, off while num_speculative_tokens is 0."""
+
+    def __init__(self, model, *, num_speculative_tokens=0, prompt_lookup_max=3, **kw):
+        super().__init__(model, **kw)
+        auto = num_speculative_tokens == "auto"
+        if not auto and not (isinstance(num_speculative_tokens, int) and num_speculative_tokens >= 0):
+            raise ValueError(f"num_speculative_tokens {num_speculative_tokens!r} must be an int >= 0 or 'auto'")
+        if prompt_lookup_max < 1:
+            raise ValueError(f"prompt_lookup_max is {prompt_lookup_max}; it must be at least 1")
+        self.num_speculative_tokens = num_speculative_tokens
+        self.prompt_lookup_max = prompt_lookup_max
+        self.indexes = {}  # sequence -> its NgramIndex
+        self.proposals = {}  # sequence -> the tokens it proposes this step, until they are verified
+        self.speculation = {}  # request -> [proposed, accepted, verify steps]
+
+    def max_proposals(self, num_decoding):
+        if self.num_speculative_tokens != "auto":
+            return self.num_speculative_tokens
+        return AUTO_TOKENS if num_decoding <= AUTO_MAX_DECODING else 0
+
+    def schedule_decodes(self):
+        """Each decoding sequence's next token, then its proposals, while the token budget and free blocks
+        above the watermark last: speculation never preempts."""
+        plan = super().schedule_decodes()
+        k = self.max_proposals(len(plan))
+        if not k:
+            return plan
+        budget = self.token_budget - len(plan)
+        speculating = []
+        for s, n in plan:
+            proposal = self.propose(s, min(k, budget))
+            proposal = proposal[: self.reserve_proposals(s, len(proposal))]
+            if proposal:
+                self.proposals[s] = proposal
+            budget -= len(proposal)
+            speculating.append(PlanEntry(s, n + len(proposal)))
+        return speculating
+
+    def propose(self, s, k):
+        """Up to k tokens for s, no more than plain decoding would still append: the step appends 1 + accepted."""
+        r = s.request
+        if r.params.num_beams > 1 or k < 1:
+            return []
+        room = r.max_new_tokens - len(s.generated) - 1
+        index = self.indexes.setdefault(s, NgramIndex(self.prompt_lookup_max))
+        return index.propose(s.tokens, min(k, room))
+
+    def reserve_proposals(self, s, k):
+        """Slots for up to k proposed tokens after s's next token, in free blocks above the watermark -> how many."""
+        free = self.allocator.num_free() - self.watermark
+        while k and blocks_for(s.num_computed + 1 + k, self.block_size) - len(s.block_table) > free:
+            k -= 1
+        num_new = blocks_for(s.num_computed + 1 + k, self.block_size) - len(s.block_table)
+        for block in self.allocator.allocate(max(0, num_new)):
+            self.block_tables[s.row, len(s.block_table)] = block
+            s.block_table.append(block)
+        return k
+
+    def samplers(self, plan):
+        """A speculating sequence's proposals join its tokens, and it draws at each of its entry's positions:
+        back = 0 reads its last proposal's logits, back = k its next token's."""
+        for s, proposal in self.proposals.items():
+            s.tokens += proposal
+        samplers = super().samplers(plan)
+        for s, i, _ in list(samplers):
+            samplers += [Sampler(s, i, back) for back in range(1, len(self.proposals.get(s, [])) + 1)]
+        return samplers
+
+    def mark_computed(self, plan):
+        """Only the tokens known to be kept count: each speculating entry's first, its next token; the
+        proposals count once verified, so that no block holding one enters the prefix cache before."""
+        super().mark_computed([PlanEntry(s, n - len(self.proposals.get(s, []))) for s, n in plan])
+
+    def append_tokens(self, samplers, tokens, now):
+        """Verify each speculating sequence's proposals against its draws, roll back the rejected, and append
+        the kept draws one at a time, as plain decoding would."""
+        drawn = {}  # a speculating sequence -> its draws, at positions num_computed, num_computed + 1, ...
+        plain, plain_tokens = [], []
+        for x, token in zip(samplers, tokens):
+            if x.sequence in self.proposals:
+                drawn.setdefault(x.sequence, {})[x.back] = (x, token)
+            else:
+                plain.append(x)
+                plain_tokens.append(token)
+        super().append_tokens(plain, plain_tokens, now)
+        for s, by_back in drawn.items():
+            self.verify(s, [by_back[back] for back in sorted(by_back, reverse=True)], now)
+
+    def verify(self, s, draws, now):
+        """draws: (sampler, token) at s's positions num_computed, ... -> the kept: the draws up to and including
+        the first that differs from the proposal before it; the K/V of the kept proposals stay computed."""
+        proposal = self.proposals.pop(s)
+        del s.tokens[len(s.tokens) - len(proposal) :]
+        kept = 1
+        while kept < len(draws) and draws[kept - 1][1] == proposal[kept - 1]:
+            kept += 1
+        stats = self.speculation.setdefault(s.request, [0, 0, 0])
+        stats[0] += len(proposal)
+        stats[1] += kept - 1
+        stats[2] += 1
+        self.notify("verified", s, len(proposal), kept - 1)
+        num_before = s.num_computed
+        s.num_computed += kept - 1  # the accepted proposals' K/V: they are the kept draws before the last
+        for sampler, token in draws[:kept]:
+            if s.status is not SequenceStatus.DONE:  # eos or max_new_tokens drops the rest
+                super().append_tokens([sampler], [token], now)
+        if s.status is not SequenceStatus.DONE:
+            self.roll_back(s, num_before)
+
+    def roll_back(self, s, num_before):
+        """Blocks that hold only rejected slots go back to the allocator; blocks that filled with kept tokens
+        join the prefix cache."""
+        keep = blocks_for(s.num_computed, self.block_size)
+        self.allocator.free(s.block_table[keep:])
+        del s.block_table[keep:]
+        if self.prefix_cache:
+            self.allocator.register_filled(s, num_before)
+
+    def preempt(self, s):
+        self.proposals.pop(s, None)  # proposed this step, and not in its tokens yet: they go
+        super().preempt(s)
+
+    def release(self, s):
+        self.indexes.pop(s, None)
+        super().release(s)

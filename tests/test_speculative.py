@@ -1,0 +1,180 @@
+"""Speculative decoding by prompt lookup (ext/speculative.py): in float64, every output equals plain decoding's
+token for token, greedy and sampled, with eos and max_new_tokens inside an accepted run, under preemption by
+recompute and by swap, with prefix-cache hits, later arrivals, n samples and beams (which do not speculate), at
+block sizes 1, 3 and 16; rejected tokens are rolled back exactly (the invariant checker runs after every step)."""
+
+import random
+import re
+
+import pytest
+from conftest import baseline, make_requests, run_engine
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_eos import common_token
+from test_robust import run_random_workload, workloads
+
+import generate
+from ext import ServingEngine
+from ext.speculative import NgramIndex
+from paged import blocks_for
+from sequence import Request, SamplingParams
+
+
+def repetitive_prompts(n, seed, vocab=300):
+    """Prompts that repeat their own phrases, so that prompt lookup finds proposals, right and wrong."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(n):
+        phrase = [rng.randrange(vocab) for _ in range(rng.randint(2, 5))]
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(0, 4))]
+        for _ in range(rng.randint(1, 4)):
+            prompt += phrase + [rng.randrange(vocab) for _ in range(rng.randint(0, 2))]
+        prompts.append(prompt[:30])
+    return prompts
+
+
+def totals(engine):
+    """proposed, accepted and verify steps, over every request the engine speculated for."""
+    return [sum(stats[i] for stats in engine.speculation.values()) for i in range(3)]
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_occurrence_of_the_longest_suffix():
+    index = NgramIndex(max_n=3)
+    tokens = [1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3]
+    assert index.propose(tokens, 4) == [7, 5, 1, 2]  # [1, 2, 3] last occurred before 7, not before 9
+    assert NgramIndex(max_n=3).propose([4, 8, 1, 2, 8], 2) == [1, 2]  # only [8] matches: one token long
+    assert NgramIndex(max_n=3).propose([4, 5, 6], 3) == []  # no suffix occurred before
+    tokens += [7, 5]  # the index grows with the tokens
+    assert index.propose(tokens, 3) == [1, 2, 3]
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 16])
+@pytest.mark.parametrize("k", [1, 4])
+def test_speculation_gives_plain_decodings_tokens_greedy_and_sampled(model, block_size, k):
+    prompts = repetitive_prompts(10, block_size + k)
+    news = [random.Random(i).randint(1, 30) for i in range(10)]  # max_new_tokens often ends an accepted run
+    # the random model's logits are nearly flat: at 0.05 a draw often matches a proposal, at 0.9 almost never
+    counts = []
+    for temperature, top_k in [(0.0, None), (0.05, 40), (0.9, 40)]:
+        want = baseline(model, prompts, news, temperature, top_k)
+        engine = ServingEngine(model, num_blocks=200, block_size=block_size, num_speculative_tokens=k)
+        assert run_engine(engine, make_requests(prompts, news, temperature, top_k), check=True) == want
+        counts.append(totals(engine))
+        assert engine.allocator.num_free() == 200
+    proposed, accepted, steps = map(sum, zip(*counts))
+    assert 0 < accepted < proposed and steps > 0, "no proposal was both accepted and rejected"
+    assert all(c[0] > 0 for c in counts), "a run proposed nothing"
+
+
+def test_eos_inside_an_accepted_run_stops_there(model):
+    prompts = repetitive_prompts(8, 7)
+    plain = [Request(p, 24) for p in prompts]
+    run_engine(ServingEngine(model, num_blocks=100, block_size=4), plain)
+    eos = common_token([r.generated for r in plain])
+    want = [Request(p, 24, SamplingParams(eos=eos)) for p in prompts]
+    run_engine(ServingEngine(model, num_blocks=100, block_size=4), want)
+    got = [Request(p, 24, SamplingParams(eos=eos)) for p in prompts]
+    engine = ServingEngine(model, num_blocks=100, block_size=4, num_speculative_tokens=4)
+    run_engine(engine, got, check=True)
+    assert [r.generated for r in got] == [r.generated for r in want]
+    assert any(r.generated[-1] == eos and len(r.generated) < 24 for r in got), "no sequence stopped at eos"
+    assert totals(engine)[1] > 0
+
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_preemption_with_proposals_pending_recomputes_or_swaps_to_plain_decodings_tokens(model, swap):
+    prompts = repetitive_prompts(12, 11)
+    news = [30] * 12
+    want = baseline(model, prompts, news, 0.05, 40)
+    kw = dict(num_blocks=24, block_size=4, token_budget=48, max_batch=8, num_speculative_tokens=4)
+    engine = ServingEngine(model, swap_blocks=48 if swap else 0, **kw)
+    assert run_engine(engine, make_requests(prompts, news, 0.05, 40), check=True) == want
+    assert engine.meter.num_preemptions > 0 and totals(engine)[1] > 0
+    assert (engine.meter.swapped_out_blocks > 0) == swap
+    assert engine.allocator.num_free() == 24
+
+
+def test_prefix_hits_later_arrivals_and_samples_each_speculating_on_its_own(model):
+    shared = repetitive_prompts(1, 3)[0][:12]
+    prompts = [shared + p for p in repetitive_prompts(6, 5)]
+    params = [SamplingParams(temperature=0.9, top_k=40, seed=10 * i, n=3) for i in range(3)]
+    params += [SamplingParams(seed=i) for i in range(3)]
+    requests = [Request(p, 20, sp) for p, sp in zip(prompts, params)]
+    want = [Request(p, 20, sp) for p, sp in zip(prompts, params)]
+    arrivals = [0, 0, 3, 5, 9, 14]
+    run_engine(ServingEngine(model, num_blocks=120, block_size=4), want, arrivals)
+    engine = ServingEngine(model, num_blocks=120, block_size=4, num_speculative_tokens=3)
+    run_engine(engine, requests, arrivals, check=True)
+    assert [[s.generated for s in r.sequences] for r in requests] == [[s.generated for s in r.sequences] for r in want]
+    assert engine.meter.cached_tokens > 0 and totals(engine)[1] > 0
+    forks = {r for r in engine.speculation if r.params.n > 1}
+    assert forks, "no request of samples speculated"
+
+
+def test_beams_do_not_speculate_beside_requests_that_do(model):
+    prompts = repetitive_prompts(4, 2)
+    want = [Request(prompts[0], 12, SamplingParams(num_beams=3))] + [Request(p, 12) for p in prompts[1:]]
+    run_engine(ServingEngine(model, num_blocks=100, block_size=4), want)
+    got = [Request(prompts[0], 12, SamplingParams(num_beams=3))] + [Request(p, 12) for p in prompts[1:]]
+    engine = ServingEngine(model, num_blocks=100, block_size=4, num_speculative_tokens=4)
+    run_engine(engine, got, check=True)
+    assert [[s.generated for s in r.sequences] for r in got] == [[s.generated for s in r.sequences] for r in want]
+    assert got[0] not in engine.speculation and totals(engine)[1] > 0
+
+
+def test_rejected_slots_return_their_blocks_at_once(model):
+    """After every step, a sequence holds no block past its next token's (check_invariants), and the blocks a
+    verify step allocated for proposals it rejected are free again."""
+    prompts = repetitive_prompts(4, 13)
+    engine = ServingEngine(model, num_blocks=60, block_size=1, num_speculative_tokens=8)
+    requests = make_requests(prompts, [25] * 4, 0.05, 40)
+    for r in requests:
+        engine.add(r)
+    while engine.waiting or engine.running:
+        engine.step()
+        for s in engine.running:
+            assert len(s.block_table) <= blocks_for(len(s.tokens), engine.block_size)
+    proposed, accepted, _ = totals(engine)
+    assert proposed > accepted > 0 and engine.allocator.num_free() == 60
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(w=workloads(), k=st.sampled_from([1, 2, 4, "auto"]))
+def test_random_workloads_with_speculation_keep_invariants_and_match_the_baseline(model, w, k):
+    engine = run_random_workload(model, w, ServingEngine, num_speculative_tokens=k)
+    assert engine.allocator.num_free() == w["num_blocks"] and not engine.proposals
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(num_speculative_tokens=-1), "num_speculative_tokens -1 must be an int >= 0 or 'auto'"),
+        (dict(num_speculative_tokens="many"), "num_speculative_tokens 'many' must be an int >= 0 or 'auto'"),
+        (dict(prompt_lookup_max=0), "prompt_lookup_max is 0; it must be at least 1"),
+    ],
+)
+def test_bad_speculation_settings_are_refused_in_one_line(model, kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)) as e:
+        ServingEngine(model, num_blocks=8, **kwargs)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--num-speculative-tokens", "-2"],
+            "error: argument --num-speculative-tokens: '-2' is not a number >= 0 or auto",
+        ),
+        (
+            ["--num-speculative-tokens", "x"],
+            "error: argument --num-speculative-tokens: 'x' is not a number >= 0 or auto",
+        ),
+        (["--prompt-lookup-max", "0"], "error: argument --prompt-lookup-max: 0 is below 1"),
+        (["--prompt-lookup-max", "2"], "error: --prompt-lookup-max needs --num-speculative-tokens"),
+    ],
+)
+def test_bad_speculation_flags_get_one_line(argv, message):
+    with pytest.raises(SystemExit) as e:
+        generate.parse_args(["--paged", *argv])
+    assert str(e.value.code).startswith(message) and "\n" not in str(e.value.code)
