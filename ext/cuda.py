@@ -111,9 +111,10 @@ class CudaGraphs:
             self.capture_graphs()
 
     def make_batch(self, plan, samplers):
+        if not self.graph_inputs:  # not padding: compile is not "graph"
+            return super().make_batch(plan, samplers)
         num_one_token = sum(n == 1 for _, n in plan)
-        decode_only = len(samplers) <= len(plan) == num_one_token
-        if not (self.graph_inputs and decode_only):
+        if not len(samplers) <= len(plan) == num_one_token:  # not decode-only
             return super().make_batch(plan, samplers)
         inputs = self.graph_inputs[self.graph_batch(len(plan))]
         return self.graph_batch_class(plan, samplers, self.device, self.kv_pool, self.block_tables, inputs)

@@ -88,17 +88,20 @@ class Forks:
 
     def sample(self, logits, batch, samplers):
         beams = [j for j, (s, _, _) in enumerate(samplers) if is_beam(s)]
+        self.beam_logprobs = None
         if beams:  # in float32, as HF's beam search
             self.beam_logprobs = torch.log_softmax(logits[beams].float(), -1).cpu()
         return super().sample(logits, batch, samplers)
 
     def append_tokens(self, samplers, tokens, now):
         """A beam holds its log-probabilities instead of a token; its group steps once all its beams hold theirs."""
+        if self.beam_logprobs is None:  # no beam sampled this step
+            return super().append_tokens(samplers, tokens, now)
         plain = [x for x in samplers if not is_beam(x.sequence)]
         plain_tokens = [token for x, token in zip(samplers, tokens) if not is_beam(x.sequence)]
         super().append_tokens(plain, plain_tokens, now)
         beams = [x for x in samplers if is_beam(x.sequence)]
-        for (s, _, _), logprobs in zip(beams, self.beam_logprobs if beams else []):
+        for (s, _, _), logprobs in zip(beams, self.beam_logprobs):
             s.status = SequenceStatus.DECODING
             if s.request.first_token_at is None:
                 s.request.first_token_at = now

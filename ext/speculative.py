@@ -15,8 +15,12 @@ sampler for each of an entry's positions), mark_computed, append_tokens (verify 
 Speculation never preempts and never runs for beams. num_speculative_tokens "auto" speculates only while
 few sequences decode, where a verify step costs about what a decode step costs (AUTO_MAX_DECODING)."""
 
+import torch
+
+from batch import longs
 from engine import PlanEntry, Sampler
-from paged import blocks_for
+from model import attend
+from paged import PagedBatch, blocks_for, gather_kv
 from sequence import SequenceStatus
 
 # num_speculative_tokens "auto": this many proposed tokens, while at most AUTO_MAX_DECODING sequences decode
@@ -45,6 +49,43 @@ class NgramIndex:
             if end is not None:
                 return tokens[end : end + k]
         return []
+
+
+class VerifyBatch(PagedBatch):
+    """A step whose first num_verify chunks verify proposals (a decoding sequence's next token and its proposals,
+    after its cached K/V): they attend together in one call, as one-token entries do, each row padded to the
+    longest; the other chunks, prompts, attend one at a time. On the device, besides PagedBatch's:
+        verify_index: (R, Q) each row's tokens in the step's, its last repeated as padding;
+        verify_pos: (R, Q) their positions; verify_table: (R, W) the rows' blocks."""
+
+    def __init__(self, plan, samplers, device, kv_pool, block_tables, compiled, num_verify):
+        super().__init__(plan, samplers, device, kv_pool, block_tables, compiled)
+        self.num_verify = num_verify
+        chunks = self.chunks[:num_verify]
+        lengths = [c.end - c.start for c in chunks]
+        width = max(lengths)
+        offsets = longs([[min(j, n - 1) for j in range(width)] for n in lengths])  # (R, Q)
+        index = longs([c.start for c in chunks])[:, None] + offsets
+        positions = longs([c.num_cached for c in chunks])[:, None] + offsets
+        first = chunks[0].entry
+        longest = max(c.num_cached + n for c, n in zip(chunks, lengths))
+        num_blocks = blocks_for(longest, self.k_pool.shape[2])
+        table = self.table[first : first + num_verify, :num_blocks]
+        self.verify_index, self.verify_pos, self.verify_table = self.stage(index, positions, table)
+
+    def attend(self, layer, q, k, v):
+        """As StepBatch.attend, with the verify chunks in one call."""
+        self.store(layer, k, v)
+        out = [self.attend_one_token(layer, q[: self.num_one_token])] if self.num_one_token else []
+        keys = gather_kv(self.k_pool[layer], self.verify_table)  # (R, L, H, D)
+        values = gather_kv(self.v_pool[layer], self.verify_table)
+        y = attend(q[self.verify_index], keys, values, self.verify_pos)  # (R, Q, H, D)
+        before = self.verify_index[:, :1] - 1
+        real = self.verify_index.diff(dim=1, prepend=before) > 0  # (R, Q): not padding
+        out.append(y[real])
+        for chunk in self.chunks[self.num_verify :]:
+            out.append(self.attend_chunk(layer, chunk, q, k, v))
+        return torch.cat(out) if len(out) > 1 else out[0]
 
 
 class Speculative:
@@ -98,32 +139,49 @@ class Speculative:
     def reserve_proposals(self, s, k):
         """Slots for up to k proposed tokens after s's next token, in free blocks above the watermark -> how many."""
         free = self.allocator.num_free() - self.watermark
-        while k and blocks_for(s.num_computed + 1 + k, self.block_size) - len(s.block_table) > free:
+        held = len(s.block_table)
+        while k and blocks_for(s.num_computed + 1 + k, self.block_size) - held > free:
             k -= 1
-        num_new = blocks_for(s.num_computed + 1 + k, self.block_size) - len(s.block_table)
+        num_new = blocks_for(s.num_computed + 1 + k, self.block_size) - held
         for block in self.allocator.allocate(max(0, num_new)):
             self.block_tables[s.row, len(s.block_table)] = block
             s.block_table.append(block)
         return k
 
+    def make_batch(self, plan, samplers):
+        if not self.proposals:
+            return super().make_batch(plan, samplers)
+        num_one_token = sum(n == 1 for _, n in plan)
+        compiled = self.compile != "off" and num_one_token >= self.compile_from
+        num_verify = len(self.proposals)
+        return VerifyBatch(plan, samplers, self.device, self.kv_pool, self.block_tables, compiled, num_verify)
+
     def samplers(self, plan):
         """A speculating sequence's proposals join its tokens, and it draws at each of its entry's positions:
         back = 0 reads its last proposal's logits, back = k its next token's."""
+        if not self.proposals:
+            return super().samplers(plan)
         for s, proposal in self.proposals.items():
             s.tokens += proposal
         samplers = super().samplers(plan)
         for s, i, _ in list(samplers):
-            samplers += [Sampler(s, i, back) for back in range(1, len(self.proposals.get(s, [])) + 1)]
+            num_proposed = len(self.proposals.get(s, []))
+            samplers += [Sampler(s, i, back) for back in range(1, num_proposed + 1)]
         return samplers
 
     def mark_computed(self, plan):
         """Only the tokens known to be kept count: each speculating entry's first, its next token; the
         proposals count once verified, so that no block holding one enters the prefix cache before."""
-        super().mark_computed([PlanEntry(s, n - len(self.proposals.get(s, []))) for s, n in plan])
+        if not self.proposals:
+            return super().mark_computed(plan)
+        verified = [n - len(self.proposals.get(s, [])) for s, n in plan]
+        super().mark_computed([PlanEntry(s, n) for (s, _), n in zip(plan, verified)])
 
     def append_tokens(self, samplers, tokens, now):
         """Verify each speculating sequence's proposals against its draws, roll back the rejected, and append
         the kept draws one at a time, as plain decoding would."""
+        if not self.proposals:
+            return super().append_tokens(samplers, tokens, now)
         drawn = {}  # a speculating sequence -> its draws, at positions num_computed, num_computed + 1, ...
         plain, plain_tokens = [], []
         for x, token in zip(samplers, tokens):
@@ -134,7 +192,8 @@ class Speculative:
                 plain_tokens.append(token)
         super().append_tokens(plain, plain_tokens, now)
         for s, by_back in drawn.items():
-            self.verify(s, [by_back[back] for back in sorted(by_back, reverse=True)], now)
+            in_order = sorted(by_back, reverse=True)  # back k first: the draw at s's next position
+            self.verify(s, [by_back[back] for back in in_order], now)
 
     def verify(self, s, draws, now):
         """draws: (sampler, token) at s's positions num_computed, ... -> the kept: the draws up to and including
@@ -142,7 +201,8 @@ class Speculative:
         proposal = self.proposals.pop(s)
         del s.tokens[len(s.tokens) - len(proposal) :]
         kept = 1
-        while kept < len(draws) and draws[kept - 1][1] == proposal[kept - 1]:
+        tokens = [token for _, token in draws]
+        while kept < len(draws) and tokens[kept - 1] == proposal[kept - 1]:
             kept += 1
         stats = self.speculation.setdefault(s.request, [0, 0, 0])
         stats[0] += len(proposal)
