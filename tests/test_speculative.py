@@ -3,6 +3,7 @@ token for token, greedy and sampled, with eos and max_new_tokens inside an accep
 recompute and by swap, with prefix-cache hits, later arrivals, n samples and beams (which do not speculate), at
 block sizes 1, 3 and 16; rejected tokens are rolled back exactly (the invariant checker runs after every step)."""
 
+import json
 import random
 import re
 
@@ -178,3 +179,22 @@ def test_bad_speculation_flags_get_one_line(argv, message):
     with pytest.raises(SystemExit) as e:
         generate.parse_args(["--paged", *argv])
     assert str(e.value.code).startswith(message) and "\n" not in str(e.value.code)
+
+
+def test_generate_reports_speculation_per_request_and_in_all_with_plain_decodings_tokens(ckpt, tmp_path, capsys):
+    runs = {}
+    for name, flags in [("plain", []), ("speculative", ["--num-speculative-tokens", "4"])]:
+        out = tmp_path / f"{name}.json"
+        argv = ["--ckpt", ckpt, "--paged", "--prompt", "a b a b a b", "--prompt", "c d c d", "--temperature", "0"]
+        generate.main(argv + ["--max-new-tokens", "24", "--json", str(out), *flags])
+        runs[name] = json.loads(out.read_text())
+    text = capsys.readouterr().out
+    tokens = [[r["output_tokens"] for r in run["requests"]] for run in runs.values()]
+    assert tokens[0] == tokens[1]
+    m, requests = runs["speculative"]["metrics"], runs["speculative"]["requests"]
+    per_request = [r["speculation"] for r in requests if "speculation" in r]
+    assert per_request and m["spec_proposed_tokens"] == sum(r["proposed_tokens"] for r in per_request) > 0
+    assert m["spec_accepted_tokens"] == sum(r["accepted_tokens"] for r in per_request)
+    assert m["spec_verify_steps"] == sum(r["verify_steps"] for r in per_request)
+    assert "spec_proposed_tokens" not in runs["plain"]["metrics"]
+    assert re.search(r"--- speculation in all: \d+ of \d+ proposed tokens accepted", text)
