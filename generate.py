@@ -125,7 +125,8 @@ def parser():
         default="auto",
         help="paged decode attention through torch.compile (inductor). on: always; off: gather blocks + SDPA; "
         "graph: decode steps padded to fixed shapes, each captured once as a CUDA graph and replayed (on a CPU, "
-        "padded without capture). auto: graph on CUDA; on a CPU, compiled for steps of 16 or more decode rows "
+        "padded without capture; not yet run on a GPU in its 2026-11-27 form). auto: compiled on CUDA; on a CPU, "
+        "compiled for steps of 16 or more decode rows "
         "(measured as fast or faster). The one-time compile (~20 s, a few once cached) and capture are shown "
         "before the run",
     )

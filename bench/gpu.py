@@ -380,7 +380,7 @@ def e2e_table(out, candidates, with_hf=True, repeats=3):
     for name, engine_class in {"ours": ServingEngine, **candidates}.items():
         try:  # a candidate that fails to compile or capture leaves the other rows
             start = time.perf_counter()
-            engines[name] = engine_class(model, block_size=16, compile="auto", **defaults)
+            engines[name] = engine_class(model, block_size=16, compile="graph", **defaults)
             captured = f"{len(engines[name].graphs)} graphs captured in {time.perf_counter() - start:.1f} s"
             say(f"{name}: {f'{defaults}, ' if name == 'ours' else ''}{captured}", out)
             run_ours(engines[name], warm_prompts, warm_news)
@@ -471,7 +471,7 @@ def hf_equal(out):
     model = gpt2_small(torch.float32)
     prompts, news = workload(3, 16)
     news = [min(n, 64) for n in news]
-    engine = ServingEngine(model, num_blocks=1024, max_batch=16, token_budget=1024, compile="auto")
+    engine = ServingEngine(model, num_blocks=1024, max_batch=16, token_budget=1024, compile="graph")
     ours = run_ours(engine, prompts, news)[1]
     theirs = run_hf(hf_model(model, torch.float32), prompts, news)[1]
     say(

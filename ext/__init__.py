@@ -4,7 +4,7 @@ token for token:
     forks.py   n samples and beam search, with copy-on-write      (SamplingParams n > 1, num_beams > 1)
     swap.py    swap preemption to host memory                      (swap_blocks > 0)
     speculative.py  prompt-lookup speculative decoding             (num_speculative_tokens > 0 or "auto")
-    cuda.py    one-copy staging and CUDA graphs of decode steps    (on CUDA; compile="graph", the default there)
+    cuda.py    one-copy staging and CUDA graphs of decode steps    (compile="graph"; captured on CUDA)
     tuning.py  prepacked CPU linears, the process's settings       (prepare(model), before the engine)
     hf.py      Hugging Face GPT-2 import and export
 

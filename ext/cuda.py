@@ -89,15 +89,17 @@ class CudaGraphs:
     """A PagedEngine mixin. compile="graph": decode-only steps padded to batch buckets 1, 2, 4, 8, then steps of
     16, each row reading as many blocks as the longest context has (narrower tables, in graphs of their own, ran
     no faster end to end on an H200: docs/gpu.md); on CUDA one graph per bucket, captured largest first in one
-    memory pool. On CUDA every step stages in one copy."""
+    memory pool. With it, on CUDA, every step stages in one copy.
+    NOTE: "graph" is asked for, not auto's choice: until 2026-11-26 auto chose it on CUDA, in the form a GPU had
+    run; this form (fixed GraphInputs, captured from a batch with no plan) has run on the CPU only, padded and
+    uncaptured, so auto stays compiled and eager on CUDA until a GPU run checks it (tests/test_decode_graphs.py)."""
 
     graph_batch_class = GraphBatch  # a padded step's batch: bench/gpu.py's flex_attention candidate subclasses it
 
     def __init__(self, model, **kw):
         super().__init__(model, **kw)
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and self.compile == "graph":  # the GPU path, asked for (NOTE above)
             self.batch_class = StagedBatch
-            self.compile = "graph" if self.compile == "auto" else self.compile  # CUDA's default
         largest = self.max_running
         buckets = [1, 2, 4, 8, *range(16, largest, 16)]
         self.graph_batches = [b for b in buckets if b < largest] + [largest]

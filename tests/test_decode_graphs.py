@@ -82,17 +82,33 @@ def test_padded_steps_read_their_graphs_fixed_inputs_which_never_move(model):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graph_replays_give_the_eager_engines_tokens(model):
-    """On CUDA, compile auto captures one graph per decode shape; replays give eager's tokens, float64."""
+    """On CUDA, compile graph captures one graph per decode shape; replays give eager's tokens, float64."""
     import copy
 
     cuda_model = copy.deepcopy(model).cuda()
     rng = random.Random(5)
     prompts = [[rng.randrange(300) for _ in range(rng.randint(1, 20))] for _ in range(9)]
     outputs = {}
-    for compile in ["on", "auto"]:
+    for compile in ["on", "graph"]:
         engine = ServingEngine(cuda_model, num_blocks=100, block_size=4, token_budget=16, max_batch=12, compile=compile)
-        assert bool(engine.graphs) == (compile == "auto")
+        assert bool(engine.graphs) == (compile == "graph")
         requests = mixed_requests(prompts)
         run_engine(engine, requests, check=True)
         outputs[compile] = [[s.generated for s in r.sequences] for r in requests]
-    assert outputs["auto"] == outputs["on"]
+    assert outputs["graph"] == outputs["on"]
+
+
+def test_a_capture_batch_with_no_plan_is_all_padding_and_runs_the_forward(model):
+    """What capture_graphs records each graph from, on the CPU: a batch of no sequence, every row padding (token
+    0 at position 0, written to and read from the padding block), in its bucket's fixed inputs."""
+    engine = ServingEngine(model, num_blocks=20, block_size=4, max_batch=8, compile="graph")
+    padding = engine.allocator.num_blocks
+    for b, inputs in engine.graph_inputs.items():
+        batch = engine.graph_batch_class([], [], engine.device, engine.kv_pool, engine.block_tables, inputs)
+        assert batch.idx is inputs.idx and batch.one_token_table is inputs.one_token_table
+        assert batch.slots.tolist() == [padding * engine.block_size] * b and batch.one_token_len.tolist() == [1] * b
+        assert (batch.one_token_table == padding).all() and batch.idx.tolist() == [0] * b
+        with torch.no_grad():  # as capture_graphs runs it
+            logits = engine.forward(batch)
+        assert logits.shape == (b, model.config.vocab_size) and torch.isfinite(logits).all()
+    assert engine.kv_pool[:, :, :padding].abs().sum() == 0, "a padding row wrote outside the padding block"
