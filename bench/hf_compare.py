@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from ext import ServingEngine, prepare
+from ext.hf import to_transformers
 from harness.checkpoints import get_tokenizer, load_checkpoint, shakespeare
 from harness.flags import prepare_output
 from model import GPT, GPTConfig
@@ -40,27 +41,7 @@ def make_models(path):
     config = GPTConfig(block_size=512, vocab_size=50304, n_layer=4, n_head=4, n_embd=128)
     torch.save({"model": GPT(config).state_dict(), "model_args": vars(config)}, path)
     ours = load_checkpoint(path)
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    hf = GPT2LMHeadModel(
-        GPT2Config(
-            vocab_size=50304,
-            n_positions=512,
-            n_embd=128,
-            n_layer=4,
-            n_head=4,
-            activation_function="gelu",
-            resid_pdrop=0,
-            embd_pdrop=0,
-            attn_pdrop=0,
-        )
-    )
-    state = {}
-    for k, v in ours.state_dict().items():  # our Linear (out, in) -> HF's Conv1D (in, out)
-        state[k] = v.t() if k.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")) else v
-    hf.load_state_dict(state, strict=False)
-    hf.generation_config.eos_token_id = None  # like ours, generate exactly the asked-for count
-    return ours, hf.eval()
+    return ours, to_transformers(ours)  # like ours, HF generates exactly the asked-for count
 
 
 def workload(seed, n=64, news=(64, 64)):

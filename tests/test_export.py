@@ -121,3 +121,22 @@ def test_beam_search_equals_transformers_generate_with_num_beams(tmp_path, k):
         for r, (sequences, scores) in zip(requests, want):
             assert r.generated == sequences[0] and [s.generated for s in r.sequences] == sequences
             torch.testing.assert_close([s.score for s in r.sequences], scores, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("gelu", ["exact", "tanh"])
+def test_to_transformers_gives_our_logits_and_greedy_tokens_in_memory(gelu):
+    """ext/hf.py's to_transformers, the benchmarks' HF peer on the same weights: float64 logits equal ours, and
+    its greedy generate, with no eos, our greedy tokens."""
+    from ext.hf import to_transformers
+
+    model = tiny_gpt(seed=4)
+    model.config.gelu = gelu
+    for block in model.transformer.h:
+        block.mlp.gelu = "none" if gelu == "exact" else "tanh"
+    hf = to_transformers(model).double()
+    x = torch.tensor([[5, 17, 42, 7, 99, 3]])
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, model(x)[0], rtol=0, atol=1e-10)
+        out = hf.generate(x, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
+    [want] = run_engine(ServingEngine(model, num_blocks=16, block_size=4), make_requests([x[0].tolist()], [12]))
+    assert out[0, x.shape[1] :].tolist() == want
