@@ -29,7 +29,8 @@ class StepBatch:
     """Where one forward's new tokens sit. Plan entry i, (sequence, num_tokens), brings num_tokens new tokens
     after its sequence's num_computed cached ones. One-token entries (decodes, and prefill chunks of one
     token) come first and attend together in one call; then each longer chunk attends alone. A sampler
-    (sequence, entry) reads the logits of its entry's last token: the forks of a prompt share its entry.
+    (sequence, entry, back) reads the logits of its entry's last token, or of the one back tokens before it;
+    the forks of a prompt share its entry.
     Built on the host, then staged to the device (stage), where it has:
         idx, positions: (N,) the step's new tokens and their positions in their sequences;
         logit_rows: (S,) the token whose logits each of the S samplers reads (its entry's last, or `back` before);

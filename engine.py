@@ -162,7 +162,7 @@ class Engine:
             if r.first_token_at is None:  # a clock may read 0.0
                 r.first_token_at = now
             s.tokens.append(token)
-            if len(s.generated) == r.max_new_tokens or token == r.params.eos:  # its blocks free at once
+            if len(s.tokens) - len(r.prompt) == r.max_new_tokens or token == r.params.eos:  # blocks free at once
                 self.stop(s, SequenceStatus.DONE)
                 if all(x.status is SequenceStatus.DONE for x in r.sequences):
                     self.finish(r, now)
@@ -172,7 +172,7 @@ class Engine:
         r.status = RequestStatus.DONE
         self.finished.append(r)
 
-    def stop(self, s, status):  # done, or preempted
+    def stop(self, s, status):  # done, preempted, or a beam that died (ext/forks.py)
         s.status = status
         self.running.remove(s)
         self.free_rows.append(s.row)

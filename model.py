@@ -106,7 +106,7 @@ class GPT(nn.Module):
 
     def forward(self, idx, targets=None, batch=None):
         """Training: idx (B, T) -> logits (B, T, V), loss. Inference: idx (N,), batch: a StepBatch (batch.py)
-        -> logits (S, V), one row for each sequence whose next token is due."""
+        -> logits (S, V), one row for each token whose logits a sampler reads (batch.logit_rows)."""
         pos = torch.arange(idx.size(-1), device=idx.device) if batch is None else batch.positions
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)
         x = self.transformer.drop(x)
@@ -114,7 +114,7 @@ class GPT(nn.Module):
             x = block(x, batch, layer)
         x = self.transformer.ln_f(x)
         if batch is not None:
-            x = x[batch.logit_rows]  # only a sequence's last new token can start its next one
+            x = x[batch.logit_rows]  # only the tokens whose logits a sampler reads
         logits = self.lm_head(x)
         if targets is None:
             return logits, None

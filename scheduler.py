@@ -11,7 +11,7 @@ from sequence import SequenceStatus
 
 # compile "auto" on a CPU: compiled decode attention from this many rows, as fast or faster (docs/compile.md)
 COMPILE_FROM_ROWS = 16
-COMPILE_MODES = ("auto", "on", "off", "graph")  # graph: the CUDA extension's captured decode steps (ext/cuda.py)
+COMPILE_MODES = ("auto", "on", "off")  # and "graph", the CUDA extension's captured decode steps (ext/cuda.py)
 
 
 class PagedEngine(Engine):

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from ext import ServingEngine, prepare
 from ext.hf import to_transformers
 from harness.checkpoints import SHIPPED, get_tokenizer, load_checkpoint, shakespeare
-from harness.metrics import speculation
+from harness.metrics import Meter, speculation
 from sequence import Request
 
 PROMPT_TOKENS, NEW_TOKENS = 64, 128
@@ -38,11 +38,12 @@ def prompts(n, seed=1):
 def run_ours(model, batch_prompts, batch, k):
     """-> (seconds, outputs, speculation's figures)."""
     engine = ServingEngine(model, num_blocks=2048, max_batch=batch, num_speculative_tokens=k)
+    meter = Meter(engine)
     requests = [Request(p, NEW_TOKENS) for p in batch_prompts]
     start = time.perf_counter()
     engine.run(requests)
     seconds = time.perf_counter() - start
-    stats = [sum(s[i] for s in engine.speculation.values()) for i in range(3)]
+    stats = meter.proposed_tokens, meter.accepted_tokens, meter.verify_steps
     return seconds, [r.generated for r in requests], speculation(*stats)
 
 

@@ -1,5 +1,5 @@
 """The paged engine on a CUDA GPU, as nano-vllm's model runner: each step's small tensors are staged in one copy
-from pinned memory, and with compile="graph" (the default on CUDA) a decode-only step is padded to a fixed
+from pinned memory, and with compile="graph" (asked for: see the NOTE below) a decode-only step is padded to a fixed
 shape, whose CUDA graph was captured once and is replayed instead of launching every kernel from Python. On a
 CPU, compile="graph" pads the same shapes without capturing them, which the tests check there. Plugs into the
 paged engine at batch_class, make_batch and forward."""
@@ -96,8 +96,10 @@ class CudaGraphs:
 
     graph_batch_class = GraphBatch  # a padded step's batch: bench/gpu.py's flex_attention candidate subclasses it
 
-    def __init__(self, model, **kw):
-        super().__init__(model, **kw)
+    def __init__(self, model, *, compile="auto", **kw):
+        # the core compiles decode attention as auto does: 16 rows on a CPU, every row on CUDA
+        super().__init__(model, compile="auto" if compile == "graph" else compile, **kw)
+        self.compile = compile
         if self.device.type == "cuda" and self.compile == "graph":  # the GPU path, asked for (NOTE above)
             self.batch_class = StagedBatch
         largest = self.max_running

@@ -3,7 +3,7 @@ outputs identical to plain decoding, token for token.
 
 Each decoding sequence may propose up to k tokens: those that followed the latest earlier occurrence of its
 longest suffix of at most prompt_lookup_max tokens. Its plan entry then brings 1 + k tokens, its last token and
-the proposals, which the forward attends as a prefill chunk over its cached K/V. The step draws, at each of the
+the proposals, which the forward attends over its cached K/V, every speculating sequence in one call. The step draws, at each of the
 entry's positions, the token plain decoding would draw there: the sampler hashes (seed, position), so a draw
 depends only on the logits and the position. The proposals are kept up to the first that differs from its
 draw, and that draw is kept too. The rest is rolled back exactly: the rejected tokens leave the sequence, its
@@ -11,7 +11,8 @@ num_computed counts only the kept K/V, blocks that hold only rejected slots go b
 and only blocks whose every token was kept enter the prefix cache.
 
 Plugs into the paged engine at schedule_decodes (proposals get slots, never by preempting), samplers (a
-sampler for each of an entry's positions), mark_computed, append_tokens (verify and roll back) and preempt.
+sampler for each of an entry's positions), make_batch (VerifyBatch), mark_computed, append_tokens (verify and
+roll back) and release.
 Speculation never preempts and never runs for beams. num_speculative_tokens "auto" speculates only while
 few sequences decode, where a verify step costs about what a decode step costs (AUTO_MAX_DECODING)."""
 
@@ -56,7 +57,8 @@ class VerifyBatch(PagedBatch):
     after its cached K/V): they attend together in one call, as one-token entries do, each row padded to the
     longest; the other chunks, prompts, attend one at a time. On the device, besides PagedBatch's:
         verify_index: (R, Q) each row's tokens in the step's, its last repeated as padding;
-        verify_pos: (R, Q) their positions; verify_table: (R, W) the rows' blocks."""
+        verify_pos: (R, Q) their positions; verify_table: (R, W) the rows' blocks;
+        verify_real: the real tokens' places in the flattened (R * Q) rows."""
 
     def __init__(self, plan, samplers, device, kv_pool, block_tables, compiled, num_verify):
         super().__init__(plan, samplers, device, kv_pool, block_tables, compiled)
@@ -71,7 +73,10 @@ class VerifyBatch(PagedBatch):
         longest = max(c.num_cached + n for c, n in zip(chunks, lengths))
         num_blocks = blocks_for(longest, self.k_pool.shape[2])
         table = self.table[first : first + num_verify, :num_blocks]
-        self.verify_index, self.verify_pos, self.verify_table = self.stage(index, positions, table)
+        real = (torch.arange(width) < longs(lengths)[:, None]).flatten().nonzero()[:, 0]  # not padding, in (R * Q)
+        self.verify_index, self.verify_pos, self.verify_table, self.verify_real = self.stage(
+            index, positions, table, real
+        )
 
     def attend(self, layer, q, k, v):
         """As StepBatch.attend, with the verify chunks in one call."""
@@ -80,9 +85,7 @@ class VerifyBatch(PagedBatch):
         keys = gather_kv(self.k_pool[layer], self.verify_table)  # (R, L, H, D)
         values = gather_kv(self.v_pool[layer], self.verify_table)
         y = attend(q[self.verify_index], keys, values, self.verify_pos)  # (R, Q, H, D)
-        before = self.verify_index[:, :1] - 1
-        real = self.verify_index.diff(dim=1, prepend=before) > 0  # (R, Q): not padding
-        out.append(y[real])
+        out.append(y.flatten(0, 1).index_select(0, self.verify_real))
         for chunk in self.chunks[self.num_verify :]:
             out.append(self.attend_chunk(layer, chunk, q, k, v))
         return torch.cat(out) if len(out) > 1 else out[0]
@@ -102,7 +105,6 @@ class Speculative:
         self.prompt_lookup_max = prompt_lookup_max
         self.indexes = {}  # sequence -> its NgramIndex
         self.proposals = {}  # sequence -> the tokens it proposes this step, until they are verified
-        self.speculation = {}  # request -> [proposed, accepted, verify steps]
 
     def max_proposals(self, num_decoding):
         if self.num_speculative_tokens != "auto":
@@ -132,8 +134,10 @@ class Speculative:
         r = s.request
         if r.params.num_beams > 1 or k < 1:
             return []
-        room = r.max_new_tokens - len(s.generated) - 1
-        index = self.indexes.setdefault(s, NgramIndex(self.prompt_lookup_max))
+        room = r.max_new_tokens - (len(s.tokens) - len(r.prompt)) - 1
+        if s not in self.indexes:
+            self.indexes[s] = NgramIndex(self.prompt_lookup_max)
+        index = self.indexes[s]
         return index.propose(s.tokens, min(k, room))
 
     def reserve_proposals(self, s, k):
@@ -204,11 +208,7 @@ class Speculative:
         tokens = [token for _, token in draws]
         while kept < len(draws) and tokens[kept - 1] == proposal[kept - 1]:
             kept += 1
-        stats = self.speculation.setdefault(s.request, [0, 0, 0])
-        stats[0] += len(proposal)
-        stats[1] += kept - 1
-        stats[2] += 1
-        self.notify("verified", s, len(proposal), kept - 1)
+        self.notify("verified", s, len(proposal), kept - 1)  # a Meter counts them, per request and in all
         num_before = s.num_computed
         s.num_computed += kept - 1  # the accepted proposals' K/V: they are the kept draws before the last
         for sampler, token in draws[:kept]:
@@ -218,17 +218,13 @@ class Speculative:
             self.roll_back(s, num_before)
 
     def roll_back(self, s, num_before):
-        """Blocks that hold only rejected slots go back to the allocator; blocks that filled with kept tokens
-        join the prefix cache."""
-        keep = blocks_for(s.num_computed, self.block_size)
+        """Blocks past the one the next token goes in, which held only rejected slots, go back to the allocator;
+        blocks that filled with kept tokens join the prefix cache."""
+        keep = blocks_for(s.num_computed + 1, self.block_size)
         self.allocator.free(s.block_table[keep:])
         del s.block_table[keep:]
         if self.prefix_cache:
             self.allocator.register_filled(s, num_before)
-
-    def preempt(self, s):
-        self.proposals.pop(s, None)  # proposed this step, and not in its tokens yet: they go
-        super().preempt(s)
 
     def release(self, s):
         self.indexes.pop(s, None)

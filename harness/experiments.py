@@ -128,10 +128,11 @@ def run_designs(model, kinds, args, prompts, news, vocab_size, results):
         results.runs = {}
         for kind in kinds:
             engine = make_engine(model, kind, args, prompts, news, vocab_size)
-            results.speculation = getattr(engine, "speculation", {})  # per request (ext/speculative.py)
             results.requests = make_requests(args, prompts, news)
             results.pool_map = PoolMap(engine) if args.pool_map else None  # --paged: one design
-            results.runs[kind], results.steps[kind] = serve(engine, results.requests, args, rate)
+            results.runs[kind], meter = serve(engine, results.requests, args, rate)
+            results.steps[kind] = meter.steps
+            results.speculation = meter.speculation  # per request (ext/speculative.py)
             if kind == kinds[0]:
                 first = results.requests
             else:  # token for token against the first run, on the same workload

@@ -38,6 +38,7 @@ class Meter(Observer):
         self.proposed_tokens = 0  # speculative decoding (ext/speculative.py): tokens proposed and verified,
         self.accepted_tokens = 0  # those accepted,
         self.verify_steps = 0  # and the sequences' steps that verified some
+        self.speculation = {}  # request -> [proposed, accepted, verify steps]
         engine.observers.append(self)
 
     def planned(self, plan):
@@ -81,6 +82,10 @@ class Meter(Observer):
         self.proposed_tokens += proposed
         self.accepted_tokens += accepted
         self.verify_steps += 1
+        stats = self.speculation.setdefault(sequence.request, [0, 0, 0])
+        stats[0] += proposed
+        stats[1] += accepted
+        stats[2] += 1
 
     def swapped_in(self, sequence, num_blocks):
         self.swapped_in_blocks += num_blocks

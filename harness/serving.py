@@ -167,12 +167,12 @@ def arrive(engine, requests, times):
 
 
 def serve(engine, requests, args, rate):
-    """Run one engine over the requests, arriving at `rate` -> its metrics and its steps."""
+    """Run one engine over the requests, arriving at `rate` -> its metrics and the Meter that heard it."""
     meter, start = Meter(engine), engine.clock.now()
     for _ in arrive(engine, requests, [start + t for t in arrivals(len(requests), rate, args.seed)]):
         pass
     wall_s = engine.clock.now() - start  # every step ends in a host transfer
-    return metrics(meter, wall_s, rate, args.kv_budget), meter.steps
+    return metrics(meter, wall_s, rate, args.kv_budget), meter
 
 
 # The vLLM paper's two length mixes (its Fig. 11 gives their means), scaled by 1/4 so that ShareGPT's longest fit
@@ -199,7 +199,7 @@ def serve_once(model, enc, run, kind):
     prompts, news = workload(enc, run)
     make_engine(model, kind, run, prompts, news, enc.n_vocab).run([Request(p[:16], 2) for p in prompts[:2]])
     engine = make_engine(model, kind, run, prompts, news, enc.n_vocab)
-    m, _ = serve(engine, make_requests(run, prompts, news), run, run.request_rate)
+    m, _ = serve(engine, make_requests(run, prompts, news), run, run.request_rate)  # and the Meter
     slot_mb = engine.kv_pool[:, :, 0, 0].nbytes / 2**20  # one token's K and V in every layer
     m.update(
         kv_allocated_peak_mb=m["kv_slots_allocated_peak"] * slot_mb, kv_used_peak_mb=m["kv_slots_used_peak"] * slot_mb

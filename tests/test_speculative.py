@@ -17,6 +17,7 @@ from test_robust import run_random_workload, workloads
 import generate
 from ext import ServingEngine
 from ext.speculative import NgramIndex
+from harness.metrics import Meter
 from paged import blocks_for
 from sequence import Request, SamplingParams
 
@@ -35,8 +36,8 @@ def repetitive_prompts(n, seed, vocab=300):
 
 
 def totals(engine):
-    """proposed, accepted and verify steps, over every request the engine speculated for."""
-    return [sum(stats[i] for stats in engine.speculation.values()) for i in range(3)]
+    """proposed, accepted and verify steps, over every request the engine speculated for (its Meter heard)."""
+    return [sum(stats[i] for stats in engine.meter.speculation.values()) for i in range(3)]
 
 
 def test_prompt_lookup_proposes_what_followed_the_latest_occurrence_of_the_longest_suffix():
@@ -83,7 +84,7 @@ def test_eos_inside_an_accepted_run_stops_there(model):
 
 
 @pytest.mark.parametrize("swap", [False, True])
-def test_preemption_with_proposals_pending_recomputes_or_swaps_to_plain_decodings_tokens(model, swap):
+def test_preemption_between_verify_steps_recomputes_or_swaps_to_plain_decodings_tokens(model, swap):
     prompts = repetitive_prompts(12, 11)
     news = [30] * 12
     want = baseline(model, prompts, news, 0.05, 40)
@@ -108,7 +109,7 @@ def test_prefix_hits_later_arrivals_and_samples_each_speculating_on_its_own(mode
     run_engine(engine, requests, arrivals, check=True)
     assert [[s.generated for s in r.sequences] for r in requests] == [[s.generated for s in r.sequences] for r in want]
     assert engine.meter.cached_tokens > 0 and totals(engine)[1] > 0
-    forks = {r for r in engine.speculation if r.params.n > 1}
+    forks = {r for r in engine.meter.speculation if r.params.n > 1}
     assert forks, "no request of samples speculated"
 
 
@@ -120,14 +121,15 @@ def test_beams_do_not_speculate_beside_requests_that_do(model):
     engine = ServingEngine(model, num_blocks=100, block_size=4, num_speculative_tokens=4)
     run_engine(engine, got, check=True)
     assert [[s.generated for s in r.sequences] for r in got] == [[s.generated for s in r.sequences] for r in want]
-    assert got[0] not in engine.speculation and totals(engine)[1] > 0
+    assert got[0] not in engine.meter.speculation and totals(engine)[1] > 0
 
 
 def test_rejected_slots_return_their_blocks_at_once(model):
-    """After every step, a sequence holds no block past its next token's (check_invariants), and the blocks a
-    verify step allocated for proposals it rejected are free again."""
+    """After every step, a sequence holds no block past its tokens (as check_invariants checks too), and the blocks
+    a verify step allocated for proposals it rejected are free again."""
     prompts = repetitive_prompts(4, 13)
     engine = ServingEngine(model, num_blocks=60, block_size=1, num_speculative_tokens=8)
+    engine.meter = Meter(engine)
     requests = make_requests(prompts, [25] * 4, 0.05, 40)
     for r in requests:
         engine.add(r)
