@@ -7,7 +7,7 @@ the proposals, which the forward attends over its cached K/V, every speculating 
 entry's positions, the token plain decoding would draw there: the sampler hashes (seed, position), so a draw
 depends only on the logits and the position. The proposals are kept up to the first that differs from its
 draw, and that draw is kept too. The rest is rolled back exactly: the rejected tokens leave the sequence, its
-num_computed counts only the kept K/V, blocks that hold only rejected slots go back to the allocator at once,
+num_computed counts only the kept K/V, blocks past the one its next token goes in go back to the allocator at once,
 and only blocks whose every token was kept enter the prefix cache.
 
 Plugs into the paged engine at schedule_decodes (proposals get slots, never by preempting), samplers (a
