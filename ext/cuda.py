@@ -98,7 +98,8 @@ class CudaGraphs:
 
     def __init__(self, model, *, compile="auto", **kw):
         # the core compiles decode attention as auto does: 16 rows on a CPU, every row on CUDA
-        super().__init__(model, compile="auto" if compile == "graph" else compile, **kw)
+        core_compile = "auto" if compile == "graph" else compile
+        super().__init__(model, compile=core_compile, **kw)
         self.compile = compile
         if self.device.type == "cuda" and self.compile == "graph":  # the GPU path, asked for (NOTE above)
             self.batch_class = StagedBatch
