@@ -6,12 +6,19 @@ Hugging Face's generate(prompt_lookup_num_tokens=k) on the same weights against 
 ours against it.
 
     python bench/speculation.py [--repeats 3] [--batches 1,8,64] [--ks 1,2,4,8,auto] [--plot out/speculation.png]
+    python bench/speculation.py --batches 1 --ks 4 --hf-ks "" --vllm-python .vllm/bin/python --vllm-ks 4
+
+With --vllm-python, also vLLM's ngram speculation (speculative_config method "ngram", prompt_lookup_max 3) at
+batch 1 (max_num_seqs 1) against vLLM's plain greedy decoding, each run its own process, both cores bound to it
+(VLLM_CPU_OMP_THREADS_BIND=0-1), float32, on the shipped model exported by ext/hf.py; and ours against it.
 """
 
 import argparse
+import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import time
 
@@ -71,7 +78,12 @@ def main():
     p.add_argument("--ks", default="1,2,4,8,auto")
     p.add_argument("--hf-ks", default="2,4", help="HF's prompt_lookup_num_tokens to run at batch 1 ('' for none)")
     p.add_argument("--plot", help="draw tok/s against k, one line per batch, to this image file")
+    p.add_argument("--vllm-python", help="the python of vLLM's own virtualenv: run its ngram speculation too")
+    p.add_argument("--vllm-ks", default="4", help="vLLM's num_speculative_tokens to run at batch 1")
+    p.add_argument("--vllm-worker", nargs=3, help=argparse.SUPPRESS)  # folder, prompts file, k
     args = p.parse_args()
+    if args.vllm_worker:
+        return vllm_worker(*args.vllm_worker)
     model = prepare(load_checkpoint(SHIPPED))
     with open("/proc/cpuinfo") as f:
         cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
@@ -110,6 +122,8 @@ def main():
             )
     if args.hf_ks:
         hf_table(model, [int(k) for k in args.hf_ks.split(",")], args.repeats)
+    if args.vllm_python:
+        vllm_table(model, args.vllm_python, [int(k) for k in args.vllm_ks.split(",")], args.repeats)
     if args.plot:
         plot(curves, args.plot)
 
@@ -137,6 +151,76 @@ def hf_table(model, ks, repeats):
         ratios = [h / o for h, o in zip(hf_lookup, ours)]
         cells = [tokens / statistics.median(xs) for xs in (hf_plain, hf_lookup, ours)]
         print(f"| {k} | {cells[0]:,.0f} | {cells[1]:,.0f} | {cells[2]:,.0f} | {fmt(ratios)} | {same[0]}, {same[1]} |")
+
+
+def vllm_worker(folder, prompts_file, k):
+    """In vLLM's virtualenv: the prompts one at a time (max_num_seqs 1), greedy, after one warm-up request."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    k = int(k)
+    spec = dict(speculative_config={"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3})
+    llm = LLM(
+        model=folder,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        seed=0,
+        gpu_memory_utilization=0.5,
+        max_num_seqs=1,
+        **(spec if k else {}),
+    )
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, ignore_eos=True)
+    with open(prompts_file) as f:
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in json.load(f)]
+    llm.generate(prompts[:1], params, use_tqdm=False)
+    start = time.perf_counter()
+    out = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    print("RESULT " + json.dumps(dict(seconds=seconds, outputs=[list(o.outputs[0].token_ids) for o in out])))
+
+
+def run_vllm(vllm_python, folder, prompts_file, k):
+    cmd = [vllm_python, os.path.abspath(__file__), "--vllm-worker", folder, prompts_file, str(k)]
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0-1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=os.path.dirname(folder), check=False)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if not lines:
+        sys.exit(f"error: the vLLM worker failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    result = json.loads(lines[-1][len("RESULT ") :])
+    return result["seconds"], result["outputs"]
+
+
+def vllm_table(model, vllm_python, ks, repeats):
+    """Batch 1: vLLM's ngram speculation against its plain greedy decoding, and ours (speculating) against it."""
+    from ext.hf import export_hf
+
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "out", "speculation")
+    folder, prompts_file = os.path.join(root, "hf"), os.path.join(root, "prompts.json")
+    if not os.path.exists(os.path.join(folder, "model.safetensors")):
+        os.makedirs(root, exist_ok=True)
+        export_hf(model, folder)
+    batch_prompts = prompts(8)
+    with open(prompts_file, "w") as f:
+        json.dump(batch_prompts, f)
+    tokens = len(batch_prompts) * NEW_TOKENS
+    print(f"--- batch 1, vLLM (its CPU build): {len(batch_prompts)} prompts, max_num_seqs 1, each run its own process")
+    print("| k | vLLM plain tok/s | vLLM ngram tok/s | ours, k, tok/s | ours / vLLM ngram | same: vLLM ngram, ours |")
+    print("|---|---|---|---|---|---|")
+    for k in ks:
+        plain, ngram, ours, same = [], [], [], [True, True]
+        for _ in range(repeats):
+            seconds, want = run_vllm(vllm_python, folder, prompts_file, 0)
+            plain.append(seconds)
+            seconds, got = run_vllm(vllm_python, folder, prompts_file, k)
+            ngram.append(seconds)
+            same[0] = same[0] and got == want
+            seconds, got, _ = run_ours(model, batch_prompts, 1, k)
+            ours.append(seconds)
+            same[1] = same[1] and got == want
+        ratios = [v / o for v, o in zip(ngram, ours)]
+        cells = [tokens / statistics.median(xs) for xs in (plain, ngram, ours)]
+        row = f"| {k} | {cells[0]:,.0f} | {cells[1]:,.0f} | {cells[2]:,.0f} | {fmt(ratios)} | {same[0]}, {same[1]} |"
+        print(row, flush=True)
 
 
 def plot(curves, path):
