@@ -132,25 +132,32 @@ def hf_table(model, ks, repeats):
     """Batch 1: HF's prompt lookup against its plain greedy generate, and ours (speculating) against HF's."""
     hf = to_transformers(model)
     batch_prompts = prompts(8)
-    tokens = len(batch_prompts) * NEW_TOKENS
     run_hf(hf, batch_prompts[:1], ks[0])
     print(f"--- batch 1, Hugging Face transformers generate: {len(batch_prompts)} prompts, one at a time")
     print("| k | HF plain tok/s | HF prompt lookup tok/s | ours, k, tok/s | ours / HF lookup | same: HF lookup, ours |")
     print("|---|---|---|---|---|---|")
+    peer_rows(model, batch_prompts, ks, repeats, lambda k: run_hf(hf, batch_prompts, k))
+
+
+def peer_rows(model, batch_prompts, ks, repeats, run_peer):
+    """For each k, alternated: the peer plain (run_peer(0)), the peer speculating (run_peer(k)) and ours at batch 1
+    -> a table row each: tok/s of the three, ours / the peer speculating, and whether outputs equal the peer's plain."""
+    tokens = len(batch_prompts) * NEW_TOKENS
     for k in ks:
-        hf_plain, hf_lookup, ours, same = [], [], [], [True, True]
+        plain, speculating, ours, same = [], [], [], [True, True]
         for _ in range(repeats):
-            seconds, want = run_hf(hf, batch_prompts, 0)
-            hf_plain.append(seconds)
-            seconds, got = run_hf(hf, batch_prompts, k)
-            hf_lookup.append(seconds)
+            seconds, want = run_peer(0)
+            plain.append(seconds)
+            seconds, got = run_peer(k)
+            speculating.append(seconds)
             same[0] = same[0] and got == want
             seconds, got, _ = run_ours(model, batch_prompts, 1, k)
             ours.append(seconds)
             same[1] = same[1] and got == want
-        ratios = [h / o for h, o in zip(hf_lookup, ours)]
-        cells = [tokens / statistics.median(xs) for xs in (hf_plain, hf_lookup, ours)]
-        print(f"| {k} | {cells[0]:,.0f} | {cells[1]:,.0f} | {cells[2]:,.0f} | {fmt(ratios)} | {same[0]}, {same[1]} |")
+        ratios = [p / o for p, o in zip(speculating, ours)]
+        cells = [tokens / statistics.median(xs) for xs in (plain, speculating, ours)]
+        row = f"| {k} | {cells[0]:,.0f} | {cells[1]:,.0f} | {cells[2]:,.0f} | {fmt(ratios)} | {same[0]}, {same[1]} |"
+        print(row, flush=True)
 
 
 def vllm_worker(folder, prompts_file, k):
@@ -202,25 +209,10 @@ def vllm_table(model, vllm_python, ks, repeats):
     batch_prompts = prompts(8)
     with open(prompts_file, "w") as f:
         json.dump(batch_prompts, f)
-    tokens = len(batch_prompts) * NEW_TOKENS
     print(f"--- batch 1, vLLM (its CPU build): {len(batch_prompts)} prompts, max_num_seqs 1, each run its own process")
     print("| k | vLLM plain tok/s | vLLM ngram tok/s | ours, k, tok/s | ours / vLLM ngram | same: vLLM ngram, ours |")
     print("|---|---|---|---|---|---|")
-    for k in ks:
-        plain, ngram, ours, same = [], [], [], [True, True]
-        for _ in range(repeats):
-            seconds, want = run_vllm(vllm_python, folder, prompts_file, 0)
-            plain.append(seconds)
-            seconds, got = run_vllm(vllm_python, folder, prompts_file, k)
-            ngram.append(seconds)
-            same[0] = same[0] and got == want
-            seconds, got, _ = run_ours(model, batch_prompts, 1, k)
-            ours.append(seconds)
-            same[1] = same[1] and got == want
-        ratios = [v / o for v, o in zip(ngram, ours)]
-        cells = [tokens / statistics.median(xs) for xs in (plain, ngram, ours)]
-        row = f"| {k} | {cells[0]:,.0f} | {cells[1]:,.0f} | {cells[2]:,.0f} | {fmt(ratios)} | {same[0]}, {same[1]} |"
-        print(row, flush=True)
+    peer_rows(model, batch_prompts, ks, repeats, lambda k: run_vllm(vllm_python, folder, prompts_file, k))
 
 
 def plot(curves, path):
@@ -242,6 +234,7 @@ def plot(curves, path):
     ax.set_title("prompt-lookup speculation, the tiny model, 64 + 128 tokens, greedy, CPU")
     ax.legend()
     fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=120)
     print(f"plot written to {path}")
 
