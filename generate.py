@@ -121,14 +121,15 @@ def parser():
     )
     p.add_argument(
         "--compile",
-        choices=["auto", "on", "off", "graph"],
+        choices=["auto", "on", "off", "graph", "step"],
         default="auto",
         help="paged decode attention through torch.compile (inductor). on: always; off: gather blocks + SDPA; "
         "graph: decode steps padded to fixed shapes, each captured once as a CUDA graph and replayed (on a CPU, "
-        "padded without capture; not yet run on a GPU in its 2026-11-27 form). auto: compiled on CUDA; on a CPU, "
-        "compiled for steps of 16 or more decode rows "
-        "(measured as fast or faster). The one-time compile (~20 s, a few once cached) and capture are shown "
-        "before the run",
+        "padded without capture; not yet run on a GPU in its 2026-11-27 form). step (CPU): steps of at most 8 "
+        "sequences of at most 16 tokens each (batch-1 decoding, speculative verify steps) as one compiled graph "
+        "of the whole forward. auto: compiled on CUDA; on a CPU, compiled for steps of 16 or more decode rows "
+        "(measured as fast or faster). The one-time compile (~20 s, a few once cached; ~30 s for step) and "
+        "capture are shown before the run",
     )
     p.add_argument(
         "--num-speculative-tokens",

@@ -42,9 +42,9 @@ def prompts(n, seed=1):
     return [val[s : s + PROMPT_TOKENS] for s in starts]
 
 
-def run_ours(model, batch_prompts, batch, k):
+def run_ours(model, batch_prompts, batch, k, compile):
     """-> (seconds, outputs, speculation's figures)."""
-    engine = ServingEngine(model, num_blocks=2048, max_batch=batch, num_speculative_tokens=k)
+    engine = ServingEngine(model, num_blocks=2048, max_batch=batch, num_speculative_tokens=k, compile=compile)
     meter = Meter(engine)
     requests = [Request(p, NEW_TOKENS) for p in batch_prompts]
     start = time.perf_counter()
@@ -77,6 +77,11 @@ def main():
     p.add_argument("--batches", default="1,8,64")
     p.add_argument("--ks", default="1,2,4,8,auto")
     p.add_argument("--hf-ks", default="2,4", help="HF's prompt_lookup_num_tokens to run at batch 1 ('' for none)")
+    p.add_argument(
+        "--compile",
+        default="auto",
+        help="ours: the engine's --compile, or several (auto,step): a table each, alternated",
+    )
     p.add_argument("--plot", help="draw tok/s against k, one line per batch, to this image file")
     p.add_argument("--vllm-python", help="the python of vLLM's own virtualenv: run its ngram speculation too")
     p.add_argument("--vllm-ks", default="4", help="vLLM's num_speculative_tokens to run at batch 1")
@@ -87,16 +92,23 @@ def main():
     model = prepare(load_checkpoint(SHIPPED))
     with open("/proc/cpuinfo") as f:
         cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
-    print(f"$ python bench/speculation.py --repeats {args.repeats} --batches {args.batches} --ks {args.ks}")
+    print(
+        f"$ python bench/speculation.py --repeats {args.repeats} --batches {args.batches} --ks {args.ks} "
+        f"--hf-ks '{args.hf_ks}' --compile {args.compile}"
+    )
     print(f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} threads, torch {torch.__version__}, "
           f"{time.strftime('%Y-%m-%d')}; the shipped model, float32, greedy")  # fmt: skip
     ks = [k if k == "auto" else int(k) for k in args.ks.split(",")]
+    compiles = args.compile.split(",")
+    for compile in compiles:  # warm-up, and compile="step"'s compile
+        run_ours(model, prompts(2), 1, 4, compile)
     curves = {}
-    for batch in map(int, args.batches.split(",")):
+    for batch, compile in [(int(b), c) for b in args.batches.split(",") for c in compiles]:
         batch_prompts = prompts(max(batch, 8))
         tokens = len(batch_prompts) * NEW_TOKENS
-        run_ours(model, batch_prompts[:2], batch, 4)  # warm-up
-        print(f"--- batch {batch}: {len(batch_prompts)} requests of {PROMPT_TOKENS} + {NEW_TOKENS} tokens")
+        print(
+            f"--- batch {batch}, compile {compile}: {len(batch_prompts)} requests of {PROMPT_TOKENS} + {NEW_TOKENS} tokens"
+        )
         print(
             "| k | plain tok/s | speculative tok/s | speculative / plain | accepted | tokens per verify step | same |"
         )
@@ -104,13 +116,13 @@ def main():
         for k in ks:
             plain, spec, same, figures = [], [], True, None
             for _ in range(args.repeats):
-                seconds, want, _ = run_ours(model, batch_prompts, batch, 0)
+                seconds, want, _ = run_ours(model, batch_prompts, batch, 0, compile)
                 plain.append(seconds)
-                seconds, got, figures = run_ours(model, batch_prompts, batch, k)
+                seconds, got, figures = run_ours(model, batch_prompts, batch, k, compile)
                 spec.append(seconds)
                 same = same and got == want
             ratios = [a / b for a, b in zip(plain, spec)]
-            curves.setdefault(batch, []).append(
+            curves.setdefault((batch, compile), []).append(
                 (k, tokens / statistics.median(spec), tokens / statistics.median(plain))
             )
             accepted = "-" if figures["spec_acceptance_pct"] is None else f"{figures['spec_acceptance_pct']:.0f}%"
@@ -121,43 +133,48 @@ def main():
                 flush=True,
             )
     if args.hf_ks:
-        hf_table(model, [int(k) for k in args.hf_ks.split(",")], args.repeats)
+        hf_table(model, [int(k) for k in args.hf_ks.split(",")], args.repeats, compiles)
     if args.vllm_python:
-        vllm_table(model, args.vllm_python, [int(k) for k in args.vllm_ks.split(",")], args.repeats)
+        vllm_table(model, args.vllm_python, [int(k) for k in args.vllm_ks.split(",")], args.repeats, compiles)
     if args.plot:
         plot(curves, args.plot)
 
 
-def hf_table(model, ks, repeats):
+def hf_table(model, ks, repeats, compiles):
     """Batch 1: HF's prompt lookup against its plain greedy generate, and ours (speculating) against HF's."""
     hf = to_transformers(model)
     batch_prompts = prompts(8)
     run_hf(hf, batch_prompts[:1], ks[0])
     print(f"--- batch 1, Hugging Face transformers generate: {len(batch_prompts)} prompts, one at a time")
-    print("| k | HF plain tok/s | HF prompt lookup tok/s | ours, k, tok/s | ours / HF lookup | same: HF lookup, ours |")
-    print("|---|---|---|---|---|---|")
-    peer_rows(model, batch_prompts, ks, repeats, lambda k: run_hf(hf, batch_prompts, k))
+    peer_rows(
+        model, batch_prompts, ks, repeats, compiles, "HF", "HF prompt lookup", lambda k: run_hf(hf, batch_prompts, k)
+    )
 
 
-def peer_rows(model, batch_prompts, ks, repeats, run_peer):
+def peer_rows(model, batch_prompts, ks, repeats, compiles, peer, speculating_name, run_peer):
     """For each k, alternated: the peer plain (run_peer(0)), the peer speculating (run_peer(k)) and ours at batch 1
-    -> a table row each: tok/s of the three, ours / the peer speculating, and whether outputs equal the peer's plain."""
+    in each compile mode -> a table row each: tok/s of them all, ours / the peer speculating, and whether every
+    output equals the peer's plain."""
     tokens = len(batch_prompts) * NEW_TOKENS
+    ours_cells = [f"ours, compile {c}, tok/s | ours ({c}) / {speculating_name}" for c in compiles]
+    print(f"| k | {peer} plain tok/s | {speculating_name} tok/s | {' | '.join(ours_cells)} | same |")
+    print("|---" * (4 + 2 * len(compiles)) + "|")
     for k in ks:
-        plain, speculating, ours, same = [], [], [], [True, True]
+        plain, speculating, ours, same = [], [], {c: [] for c in compiles}, True
         for _ in range(repeats):
             seconds, want = run_peer(0)
             plain.append(seconds)
             seconds, got = run_peer(k)
             speculating.append(seconds)
-            same[0] = same[0] and got == want
-            seconds, got, _ = run_ours(model, batch_prompts, 1, k)
-            ours.append(seconds)
-            same[1] = same[1] and got == want
-        ratios = [p / o for p, o in zip(speculating, ours)]
-        cells = [tokens / statistics.median(xs) for xs in (plain, speculating, ours)]
-        row = f"| {k} | {cells[0]:,.0f} | {cells[1]:,.0f} | {cells[2]:,.0f} | {fmt(ratios)} | {same[0]}, {same[1]} |"
-        print(row, flush=True)
+            same = same and got == want
+            for c in compiles:
+                seconds, got, _ = run_ours(model, batch_prompts, 1, k, c)
+                ours[c].append(seconds)
+                same = same and got == want
+        cells = [f"{tokens / statistics.median(xs):,.0f}" for xs in (plain, speculating)]
+        for c in compiles:
+            cells += [f"{tokens / statistics.median(ours[c]):,.0f}", fmt([p / o for p, o in zip(speculating, ours[c])])]
+        print(f"| {k} | {' | '.join(cells)} | {same} |", flush=True)
 
 
 def vllm_worker(folder, prompts_file, k):
@@ -197,7 +214,7 @@ def run_vllm(vllm_python, folder, prompts_file, k):
     return result["seconds"], result["outputs"]
 
 
-def vllm_table(model, vllm_python, ks, repeats):
+def vllm_table(model, vllm_python, ks, repeats, compiles):
     """Batch 1: vLLM's ngram speculation against its plain greedy decoding, and ours (speculating) against it."""
     from ext.hf import export_hf
 
@@ -210,9 +227,8 @@ def vllm_table(model, vllm_python, ks, repeats):
     with open(prompts_file, "w") as f:
         json.dump(batch_prompts, f)
     print(f"--- batch 1, vLLM (its CPU build): {len(batch_prompts)} prompts, max_num_seqs 1, each run its own process")
-    print("| k | vLLM plain tok/s | vLLM ngram tok/s | ours, k, tok/s | ours / vLLM ngram | same: vLLM ngram, ours |")
-    print("|---|---|---|---|---|---|")
-    peer_rows(model, batch_prompts, ks, repeats, lambda k: run_vllm(vllm_python, folder, prompts_file, k))
+    run = lambda k: run_vllm(vllm_python, folder, prompts_file, k)
+    peer_rows(model, batch_prompts, ks, repeats, compiles, "vLLM", "vLLM ngram", run)
 
 
 def plot(curves, path):
@@ -222,9 +238,10 @@ def plot(curves, path):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for batch, points in curves.items():
+    for (batch, compile), points in curves.items():
         numeric = [(k, spec, plain) for k, spec, plain in points if k != "auto"]
-        line = ax.plot([k for k, _, _ in numeric], [s / p for _, s, p in numeric], marker="o", label=f"batch {batch}")
+        label = f"batch {batch}" if len({c for _, c in curves}) == 1 else f"batch {batch}, compile {compile}"
+        line = ax.plot([k for k, _, _ in numeric], [s / p for _, s, p in numeric], marker="o", label=label)
         auto = [s / p for k, s, p in points if k == "auto"]
         if auto:
             ax.scatter([0], auto, marker="*", s=120, color=line[0].get_color())

@@ -5,6 +5,7 @@ token for token:
     swap.py    swap preemption to host memory                      (swap_blocks > 0)
     speculative.py  prompt-lookup speculative decoding             (num_speculative_tokens > 0 or "auto")
     cuda.py    one-copy staging and CUDA graphs of decode steps    (compile="graph"; captured on CUDA)
+    compiled_steps.py  small steps as one compiled graph on a CPU  (compile="step")
     tuning.py  prepacked CPU linears, the process's settings       (prepare(model), before the engine)
     hf.py      Hugging Face GPT-2 import and export
 
@@ -12,6 +13,7 @@ token for token:
     engine = ServingEngine(prepare(model), num_blocks=256, swap_blocks=64)
 """
 
+from ext.compiled_steps import CompiledSteps
 from ext.cuda import CudaGraphs
 from ext.forks import PagedForks
 from ext.speculative import Speculative
@@ -22,5 +24,5 @@ from scheduler import PagedEngine
 __all__ = ["ServingEngine", "prepare"]
 
 
-class ServingEngine(Speculative, PagedForks, Swap, CudaGraphs, PagedEngine):
+class ServingEngine(CompiledSteps, Speculative, PagedForks, Swap, CudaGraphs, PagedEngine):
     """PagedEngine with every extension: what generate.py serves with."""

@@ -22,8 +22,9 @@ class PackedLinear(nn.Linear):
         return super()._apply(fn, *args)
 
     def forward(self, x):
-        # training takes F.linear: the packed copy is detached, and no gradient would reach the weight
-        if self.packed_version != self.weight._version or torch.is_grad_enabled():
+        # training takes F.linear: the packed copy is detached, and no gradient would reach the weight; so does
+        # a compiled graph, which packs its own (ext/compiled_steps.py)
+        if torch.compiler.is_compiling() or self.packed_version != self.weight._version or torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
         weight = self.packed_weight
         y = torch.ops.mkldnn._linear_pointwise(x.to(weight.dtype), weight, self.packed_bias, "none", [], "")

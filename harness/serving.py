@@ -1,6 +1,7 @@
 """Serving a workload: seeded prompts cut from held-out Shakespeare, Poisson arrivals, an engine built from
 the command line's flags, warmed up untimed, then stepped as requests arrive, with a Meter listening."""
 
+import contextlib
 import math
 import random
 import statistics
@@ -105,20 +106,30 @@ def make_engine(model, kind, args, prompts, news, vocab_size):
 
 
 def warm_up(engine, num_sequences):
-    """Compile the paged engine's decode attention before anything is timed, if its steps will use it,
-    with a line that counts the seconds: the first compile on a machine takes ~20 s on a CPU, and
-    inductor's on-disk cache (under /tmp/torchinductor_$USER) brings later ones to a few seconds. It
-    serves one-token prompts through `engine`, which is then spent: time a fresh one."""
-    if (
-        not isinstance(engine, PagedEngine)
-        or engine.compile == "off"
-        or min(engine.max_running, num_sequences) < engine.compile_from
-    ):
+    """Compile what the paged engine's steps will use before anything is timed, with a line that counts the
+    seconds: its decode attention, and with --compile step its small steps' graph. The first compile on a
+    machine takes ~20 s on a CPU (~30 s for step), and inductor's on-disk cache (under /tmp/torchinductor_$USER)
+    brings later ones of decode attention to a few seconds. It serves tiny prompts through `engine`, which is
+    then spent: time a fresh one."""
+    if not isinstance(engine, PagedEngine) or engine.compile == "off":
         return
-    what = f"compiling decode attention (torch.compile, {engine.device.type}, {engine.kv_pool[0].dtype})"
+    runs = []
+    if engine.compile == "step":  # a step of a two-token prompt, then one of its decode: the small steps' graph
+        runs.append(("small steps, the whole forward", [Request([0, 0], 2)]))
+    if min(engine.max_running, num_sequences) >= engine.compile_from:  # one step of one-token rows
+        runs.append(("decode attention", [Request([0], 1) for _ in range(max(2, engine.compile_from))]))
+    for name, requests in runs:
+        what = f"compiling {name} (torch.compile, {engine.device.type}, {engine.kv_pool[0].dtype})"
+        with counting_seconds(what):
+            engine.run(requests)
+
+
+@contextlib.contextmanager
+def counting_seconds(what):
+    """On a terminal, the seconds so far on one line; then the total."""
     start, done = time.time(), threading.Event()
 
-    def tick():  # on a terminal, the seconds so far on one line
+    def tick():
         while not done.wait(1.0):
             print(f"\r{what}: {time.time() - start:.0f} s", end="", flush=True)
 
@@ -127,7 +138,7 @@ def warm_up(engine, num_sequences):
     ticker = threading.Thread(target=tick, daemon=True)
     if sys.stdout.isatty():
         ticker.start()
-    engine.run([Request([0], 1) for _ in range(max(2, engine.compile_from))])  # one step of one-token rows
+    yield
     done.set()
     print(f"\r{what}: done in {time.time() - start:.1f} s", flush=True)
 

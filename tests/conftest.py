@@ -6,6 +6,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from ext.compiled_steps import RowBatch
 from ext.cuda import GraphBatch
 from harness.contiguous import ContiguousEngine
 from harness.metrics import Meter, kv_slots
@@ -113,8 +114,8 @@ def check_writes(engine):
     def checked(plan, samplers):
         batch = make_batch(plan, samplers)
         written = set((batch.slots // engine.block_size).tolist())
-        # a padded decode step's padding rows write the padding block, block num_blocks, which no sequence holds
-        assert written <= set(range(engine.allocator.num_blocks + isinstance(batch, GraphBatch)))
+        # a padded step's padding writes the padding block, block num_blocks, which no sequence holds
+        assert written <= set(range(engine.allocator.num_blocks + isinstance(batch, (GraphBatch, RowBatch))))
         for block in written - {engine.allocator.num_blocks}:
             assert engine.allocator.ref_count[block] == 1, (
                 f"block {block} is written while {engine.allocator.ref_count[block]} hold it"

@@ -1,0 +1,148 @@
+"""Small steps as one compiled graph, on the CPU (compile="step"). Where a step is a few sequences of a few
+tokens each (decoding at batch 1, speculative verify steps), its time goes to the forward's hundred-odd small
+ops, their Python, and the building of the batch, not to arithmetic. Inductor compiles the whole forward into
+one graph of fused C++ loops around oneDNN's GEMMs, with the weights frozen in and a C++ wrapper; the batch is
+built from lists, in a few tensor calls.
+
+Each of the step's entries becomes a row of Q tokens, the shorter ones padded by repeating their last token,
+and rows, tokens and samplers are padded to two at least, so that no size of 1 specializes the graph: one graph
+serves every small step. The graph never writes the pool, as inductor would copy a whole tensor that a graph
+writes into: each row attends over its cached K/V, gathered from the pool, with its own new K/V laid over them
+in their places, and the step writes every layer's new K/V after the graph, in one indexed copy.
+Plugs into the paged engine at make_batch and forward; a step with more rows or a longer entry (a prefill
+chunk) runs as before."""
+
+import torch
+import torch._inductor.config as inductor_config
+import torch.fx.experimental._config as fx_config
+
+from batch import longs
+from model import attend
+from paged import blocks_for, gather_kv
+
+MAX_ROWS = 8  # steps of at most this many entries...
+MAX_ROW_TOKENS = 16  # ...of at most this many tokens each
+# NOTE: two sizes equal at the first call would share one symbol in the graph (dynamo's duck shaping), and a
+# later step where they differ would compile a second graph
+DISTINCT_SIZES = fx_config.patch(use_duck_shape=False)
+# the weights frozen into the graph as constants (torch.compile's options do not reach freezing), its GEMMs
+# inductor's own C++ kernels where they time faster than oneDNN's (max_autotune: 1.2-1.3x the forward's speed
+# at batch 1, for a first compile of ~60 s, ~35 s once cached), and its kernels called from C++, not Python
+FROZEN = inductor_config.patch(
+    freezing=True, max_autotune=True, max_autotune_gemm_backends="CPP,ATEN", cpp_wrapper=True
+)
+
+
+class RowBatch:
+    """A step as R rows of Q tokens, R, Q >= 2: the forward's T = R * Q tokens are the rows', flattened.
+    Padding repeats a row's last token (the same token at the same place: the same K/V), and a step of one
+    row takes a copy of it; padding's K/V go to the padding block. It has what the engine
+    reads of a StepBatch (idx, positions, logit_rows, sample_rows, sample_pos; logit_rows two more), and:
+        row_pos: (R, Q) the rows' positions; row_table: (R, W) their blocks, W >= 2;
+        token_row: (T,) each token's row; slots: (T,) where each token's K/V go."""
+
+    def __init__(self, plan, samplers, kv_pool):
+        self.k_pool, self.v_pool = kv_pool
+        block_size = self.k_pool.shape[2]
+        padding = self.k_pool.shape[1] - 1  # the padding block
+        Q = max(2, *(n for _, n in plan))
+        longest = max(s.num_computed + n for s, n in plan)
+        W = max(2, blocks_for(longest, block_size))
+        rows = [row(s, n, Q, W) for s, n in plan]
+        if len(rows) < 2:  # a padding row: a copy of the one row, whose K/V go to the padding block
+            rows.append(row(*plan[0], Q, W, real=False))
+        idx, positions, real, table = columns(rows, 4)  # (R, Q) 3 times, (R, W)
+        block = table.gather(1, positions // block_size)
+        slots = block * block_size + positions % block_size
+        padding_slot = padding * block_size
+        slots = torch.where(real.bool(), slots, padding_slot)
+        self.slots = slots.flatten()
+        self.idx = idx.flatten()
+        self.positions = positions.flatten()
+        self.row_pos = positions
+        self.row_table = table
+        self.token_row = torch.arange(len(rows)).repeat_interleave(Q)
+        picks = [pick(plan, x, Q) for x in samplers]
+        logit_rows, self.sample_rows, self.sample_pos = columns(picks, 3)
+        self.logit_rows = torch.cat([logit_rows, longs([0, 0])])  # two more: never a size of 0 or 1
+        self.new_k = []  # each layer's new K and V, as the forward computes them
+        self.new_v = []
+
+    def attend(self, layer, q, k, v):
+        """q, k, v: (T, H, D) -> (T, H, D), each row over its cached K/V and its own new K/V, causal."""
+        self.new_k.append(k)
+        self.new_v.append(v)
+        keys = self.overlay(self.k_pool[layer], k)
+        values = self.overlay(self.v_pool[layer], v)
+        R, Q = self.row_pos.shape
+        q = q.view(R, Q, *q.shape[1:])
+        y = attend(q, keys, values, self.row_pos)  # (R, Q, H, D)
+        return y.flatten(0, 1)
+
+    def overlay(self, pool, new):
+        """The rows' cached K/V (R, L, H, D), with the step's new K/V (T, H, D) laid over them in their places."""
+        cached = gather_kv(pool, self.row_table)
+        return cached.index_put((self.token_row, self.positions), new)
+
+
+def row(s, n, Q, W, real=True):
+    """Sequence s's next n tokens as a row of Q: its tokens, their positions, which are real, and its W blocks."""
+    first = s.num_computed
+    tokens = s.tokens[first : first + n]
+    positions = list(range(first, first + n))
+    blocks = s.block_table[:W]
+    pad = Q - n
+    tokens += tokens[-1:] * pad
+    positions += positions[-1:] * pad
+    blocks += blocks[-1:] * (W - len(blocks))  # a row reads no key past its last: any block pads its table
+    reals = [real] * n + [False] * pad
+    return tokens, positions, reals, blocks
+
+
+def columns(rows, width):
+    """Rows of `width` fields each -> a tensor of each field."""
+    fields = [[r[i] for r in rows] for i in range(width)]
+    return [longs(field) for field in fields]
+
+
+def pick(plan, sampler, Q):
+    """-> the row-major place of the token whose logits the sampler reads, its row, and the position it draws."""
+    s, n = plan[sampler.entry]
+    logit_row = sampler.entry * Q + n - 1 - sampler.back
+    return logit_row, sampler.sequence.row, s.num_computed + n - sampler.back
+
+
+def forward_rows(model, batch):
+    """-> logits (S, V), and every layer's new K and V: (2, n_layer, T, H, D), as the pool holds them."""
+    logits = model(batch.idx, batch=batch)[0]
+    new_k = torch.stack(batch.new_k)
+    new_v = torch.stack(batch.new_v)
+    return logits, torch.stack([new_k, new_v])
+
+
+class CompiledSteps:
+    """A PagedEngine mixin: compile="step" runs small steps on a CPU as one compiled graph (RowBatch)."""
+
+    def __init__(self, model, *, compile="auto", **kw):
+        core_compile = "auto" if compile == "step" else compile  # and compiled decode attention as auto's
+        super().__init__(model, compile=core_compile, **kw)
+        if compile == "step" and self.device.type != "cpu":
+            raise ValueError("compile 'step' compiles small steps on a CPU; on CUDA, ask for 'graph'")
+        self.compile = compile
+        self.compiled_forward = torch.compile(forward_rows, dynamic=True)
+
+    def make_batch(self, plan, samplers):
+        longest = max(n for _, n in plan)
+        small = len(plan) <= MAX_ROWS and longest <= MAX_ROW_TOKENS
+        if self.compile == "step" and small:
+            return RowBatch(plan, samplers, self.kv_pool)
+        return super().make_batch(plan, samplers)
+
+    def forward(self, batch):
+        if not isinstance(batch, RowBatch):
+            return super().forward(batch)
+        with DISTINCT_SIZES, FROZEN:
+            logits, new_kv = self.compiled_forward(self.model, batch)
+        # every layer's K and V in one indexed copy: the pool's (2, n_layer, slots, H, D) view
+        self.kv_pool.flatten(2, 3).index_copy_(2, batch.slots, new_kv)
+        return logits
