@@ -14,7 +14,8 @@ Plugs into the paged engine at schedule_decodes (proposals get slots, never by p
 sampler for each of an entry's positions), make_batch (VerifyBatch), mark_computed, append_tokens (verify and
 roll back) and release.
 Speculation never preempts and never runs for beams. num_speculative_tokens "auto" speculates only while
-few sequences decode, where a verify step costs about what a decode step costs (AUTO_MAX_DECODING)."""
+few sequences decode, where a verify step costs about what a decode step costs (AUTO_MAX_DECODING), each
+sequence as many tokens as its own acceptance earns (proposals_for)."""
 
 import torch
 
@@ -24,9 +25,11 @@ from model import attend
 from paged import PagedBatch, blocks_for, gather_kv
 from sequence import SequenceStatus
 
-# num_speculative_tokens "auto": this many proposed tokens, while at most AUTO_MAX_DECODING sequences decode
-# (bench/speculation.py measures where speculation stops paying on a CPU: docs/speculation.md)
+# num_speculative_tokens "auto": speculation while at most AUTO_MAX_DECODING sequences decode (bench/speculation.py
+# measures where it stops paying on a CPU: docs/speculation.md), each sequence proposing AUTO_TOKENS at first,
+# then as many as its own acceptance earns, up to AUTO_MAX_TOKENS (Speculative.proposals_for)
 AUTO_TOKENS = 4
+AUTO_MAX_TOKENS = 8
 AUTO_MAX_DECODING = 8
 
 
@@ -105,22 +108,33 @@ class Speculative:
         self.prompt_lookup_max = prompt_lookup_max
         self.indexes = {}  # sequence -> its NgramIndex
         self.proposals = {}  # sequence -> the tokens it proposes this step, until they are verified
+        self.auto_tokens = {}  # sequence -> how many it may propose, with auto
+        self.guesses = {}  # sequence -> the token it would propose, while auto lets it propose none
 
-    def max_proposals(self, num_decoding):
+    def proposals_for(self, s, num_decoding):
+        """How many tokens s may propose: num_speculative_tokens; with auto, none while more than AUTO_MAX_DECODING
+        sequences decode, else a count of its own: AUTO_TOKENS at first, then after each verify step 2 more if it
+        accepted every proposal (up to AUTO_MAX_TOKENS), 1 fewer (down to 1) if it accepted some, half if none, as
+        Hugging Face's heuristic schedule for its assistant's tokens, and its halving. At 0 the sequence guesses
+        instead (guess), which costs no forward, and proposes 1 token again once a guess is the token drawn."""
         if self.num_speculative_tokens != "auto":
             return self.num_speculative_tokens
-        return AUTO_TOKENS if num_decoding <= AUTO_MAX_DECODING else 0
+        if num_decoding > AUTO_MAX_DECODING:
+            return 0
+        return self.auto_tokens.get(s, AUTO_TOKENS)
 
     def schedule_decodes(self):
         """Each decoding sequence's next token, then its proposals, while the token budget and free blocks
         above the watermark last: speculation never preempts."""
         plan = super().schedule_decodes()
-        k = self.max_proposals(len(plan))
-        if not k:
+        if not self.proposals_for(None, len(plan)):  # off, or auto while many decode
             return plan
         budget = self.token_budget - len(plan)
         speculating = []
         for s, n in plan:
+            k = self.proposals_for(s, len(plan))
+            if not k:
+                self.guess(s)
             proposal = self.propose(s, min(k, budget))
             proposal = proposal[: self.reserve_proposals(s, len(proposal))]
             if proposal:
@@ -139,6 +153,23 @@ class Speculative:
             self.indexes[s] = NgramIndex(self.prompt_lookup_max)
         index = self.indexes[s]
         return index.propose(s.tokens, min(k, room))
+
+    def next_auto_tokens(self, k, proposed, accepted):
+        if accepted == proposed:
+            return min(k + 2, AUTO_MAX_TOKENS)
+        return max(k - 1, 1) if accepted else k // 2
+
+    def guess(self, s):
+        """Auto's measure of acceptance for a sequence that proposes nothing: the token it would propose."""
+        guess = self.propose(s, 1)
+        if guess:
+            self.guesses[s] = guess[0]
+
+    def check_guesses(self, samplers, tokens):
+        """A sequence whose guess is the token drawn proposes 1 token again."""
+        for x, token in zip(samplers, tokens):
+            if self.guesses.pop(x.sequence, None) == token:
+                self.auto_tokens[x.sequence] = 1
 
     def reserve_proposals(self, s, k):
         """Slots for up to k proposed tokens after s's next token, in free blocks above the watermark -> how many."""
@@ -184,6 +215,8 @@ class Speculative:
     def append_tokens(self, samplers, tokens, now):
         """Verify each speculating sequence's proposals against its draws, roll back the rejected, and append
         the kept draws one at a time, as plain decoding would."""
+        if self.guesses:
+            self.check_guesses(samplers, tokens)
         if not self.proposals:
             return super().append_tokens(samplers, tokens, now)
         drawn = {}  # a speculating sequence -> its draws, at positions num_computed, num_computed + 1, ...
@@ -209,6 +242,10 @@ class Speculative:
         while kept < len(draws) and tokens[kept - 1] == proposal[kept - 1]:
             kept += 1
         self.notify("verified", s, len(proposal), kept - 1)  # a Meter counts them, per request and in all
+        if self.num_speculative_tokens == "auto":
+            k = self.proposals_for(s, 0)
+            k = self.next_auto_tokens(k, len(proposal), kept - 1)
+            self.auto_tokens[s] = k
         num_before = s.num_computed
         s.num_computed += kept - 1  # the accepted proposals' K/V: they are the kept draws before the last
         for sampler, token in draws[:kept]:
@@ -228,4 +265,6 @@ class Speculative:
 
     def release(self, s):
         self.indexes.pop(s, None)
+        self.auto_tokens.pop(s, None)
+        self.guesses.pop(s, None)
         super().release(s)

@@ -141,6 +141,39 @@ def test_rejected_slots_return_their_blocks_at_once(model):
     assert proposed > accepted > 0 and engine.allocator.num_free() == 60
 
 
+def count_revivals(engine):
+    """Wrap check_guesses so that engine.revived counts the guesses that were the token drawn."""
+    check_guesses = engine.check_guesses
+    engine.revived = 0
+
+    def counted(samplers, tokens):
+        engine.revived += sum(engine.guesses.get(x.sequence) == token for x, token in zip(samplers, tokens))
+        check_guesses(samplers, tokens)
+
+    engine.check_guesses = counted
+
+
+def test_auto_follows_each_sequences_acceptance_down_to_guessing_and_back(model):
+    """auto proposes what acceptance earns: many tokens where draws follow the prompt (greedy, repetitive prompts),
+    few where they rarely do (temperature 0.9), where a sequence soon proposes nothing and only guesses; a right
+    guess brings its proposals back. Outputs equal plain decoding's throughout."""
+    prompts = repetitive_prompts(6, 21)
+    news = [40] * 6
+    figures = {}
+    for temperature in [0.0, 0.9]:
+        want = baseline(model, prompts, news, temperature, 40)
+        for k in [4, "auto"]:
+            engine = ServingEngine(model, num_blocks=100, block_size=4, max_batch=6, num_speculative_tokens=k)
+            count_revivals(engine)
+            assert run_engine(engine, make_requests(prompts, news, temperature, 40), check=True) == want
+            figures[temperature, k] = totals(engine)
+            assert not engine.guesses and not engine.auto_tokens  # nothing kept for finished sequences
+        assert engine.revived > 0 or temperature == 0, "no guess brought proposals back"
+    assert figures[0.9, "auto"][0] < figures[0.9, 4][0] / 2, "auto kept proposing what was rejected"
+    greedy = figures[0.0, "auto"]
+    assert greedy[0] > greedy[1] > 0.9 * figures[0.0, 4][1], "auto held back where proposals are accepted"
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 @given(w=workloads(), k=st.sampled_from([1, 2, 4, "auto"]))
 def test_random_workloads_with_speculation_keep_invariants_and_match_the_baseline(model, w, k):
