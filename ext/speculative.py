@@ -114,14 +114,16 @@ class Speculative:
     def proposals_for(self, s, num_decoding):
         """How many tokens s may propose: num_speculative_tokens; with auto, none while more than AUTO_MAX_DECODING
         sequences decode, else a count of its own: AUTO_TOKENS at first, then after each verify step 2 more if it
-        accepted every proposal (up to AUTO_MAX_TOKENS), 1 fewer (down to 1) if it accepted some, half if none, as
+        accepted every proposal (up to AUTO_MAX_TOKENS, used alone), 1 fewer (down to 1) if it accepted some, half if none, as
         Hugging Face's heuristic schedule for its assistant's tokens, and its halving. At 0 the sequence guesses
         instead (guess), which costs no forward, and proposes 1 token again once a guess is the token drawn."""
         if self.num_speculative_tokens != "auto":
             return self.num_speculative_tokens
         if num_decoding > AUTO_MAX_DECODING:
             return 0
-        return self.auto_tokens.get(s, AUTO_TOKENS)
+        # NOTE: a verify step pads its rows to the longest, so beside other sequences none proposes past AUTO_TOKENS
+        most = AUTO_MAX_TOKENS if num_decoding == 1 else AUTO_TOKENS
+        return min(self.auto_tokens.get(s, AUTO_TOKENS), most)
 
     def schedule_decodes(self):
         """Each decoding sequence's next token, then its proposals, while the token budget and free blocks
@@ -243,7 +245,7 @@ class Speculative:
             kept += 1
         self.notify("verified", s, len(proposal), kept - 1)  # a Meter counts them, per request and in all
         if self.num_speculative_tokens == "auto":
-            k = self.proposals_for(s, 0)
+            k = self.auto_tokens.get(s, AUTO_TOKENS)
             k = self.next_auto_tokens(k, len(proposal), kept - 1)
             self.auto_tokens[s] = k
         num_before = s.num_computed
