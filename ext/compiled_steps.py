@@ -1,12 +1,13 @@
 """Small steps as one compiled graph, on the CPU (compile="step"). Where a step is a few sequences of a few
 tokens each (decoding at batch 1, speculative verify steps), its time goes to the forward's hundred-odd small
 ops, their Python, and the building of the batch, not to arithmetic. Inductor compiles the whole forward into
-one graph of fused C++ loops around oneDNN's GEMMs, with the weights frozen in and a C++ wrapper; the batch is
-built from lists, in a few tensor calls.
+one graph of fused C++ loops and GEMMs, with the weights frozen in and a C++ wrapper; the batch is built from
+lists, in a few tensor calls (docs/compile.md#small-steps-as-one-graph-compile-step).
 
-Each of the step's entries becomes a row of Q tokens, the shorter ones padded by repeating their last token,
-and rows, tokens and samplers are padded to two at least, so that no size of 1 specializes the graph: one graph
-serves every small step. The graph never writes the pool, as inductor would copy a whole tensor that a graph
+Each of the step's entries becomes a row of Q tokens, the shorter ones padded by repeating their last token;
+rows and tokens are padded to two at least, and the logits read to two more, so that no size of 0 or 1
+specializes the graph: one graph serves every small step. NOTE: the weights are frozen into the graph: a weight
+changed in place after the first small step is not seen (compile="step" serves fixed weights). The graph never writes the pool, as inductor would copy a whole tensor that a graph
 writes into: each row attends over its cached K/V, gathered from the pool, with its own new K/V laid over them
 in their places, and the step writes every layer's new K/V after the graph, in one indexed copy.
 Plugs into the paged engine at make_batch and forward; a step with more rows or a longer entry (a prefill

@@ -283,6 +283,7 @@ def test_preemption_sweep_times_swap_and_recompute_and_runs_each_mode_under_pres
         (["--sweep-block-sizes", "4", "--sweep-preemption", "4", "--kv-budget", "64"], "takes no --sweep-preemption"),
         (["--sweep-block-sizes", "4", "--compile", "on"], "runs decode attention eager: it takes no --compile on"),
         (["--sweep-preemption", "4", "--kv-budget", "64", "--compile", "graph"], "it takes no --compile graph"),
+        (["--sweep-block-sizes", "4", "--compile", "step"], "it takes no --compile step"),
         (["--sweep-block-sizes", "4,256", "--kv-budget", "128"], "error: --kv-budget 128 slots hold no block of 256"),
         (["--sweep-block-sizes", "4,0"], "error: argument --sweep-block-sizes: 0 is below 1"),
         (["--sweep-block-sizes", "4", "--pool-map", "x.png"], "error: --pool-map needs --paged"),
