@@ -128,7 +128,7 @@ def parser():
         "padded without capture; not yet run on a GPU in its 2026-11-27 form). step (CPU): steps of at most 8 "
         "sequences of at most 16 tokens each (batch-1 decoding, speculative verify steps) as one compiled graph "
         "of the whole forward. auto: compiled on CUDA; on a CPU, compiled for steps of 16 or more decode rows "
-        "(measured as fast or faster). The one-time compile (~20 s, a few once cached; ~30 s for step) and "
+        "(measured as fast or faster). The one-time compile (~20 s, a few once cached; for step ~60 s, ~35 s cached) and "
         "capture are shown before the run",
     )
     p.add_argument(

@@ -11,7 +11,9 @@ from sequence import SequenceStatus
 
 # compile "auto" on a CPU: compiled decode attention from this many rows, as fast or faster (docs/compile.md)
 COMPILE_FROM_ROWS = 16
-COMPILE_MODES = ("auto", "on", "off")  # and "graph", the CUDA extension's captured decode steps (ext/cuda.py)
+# and the extensions': "graph", captured CUDA decode steps (ext/cuda.py); "step", small CPU steps
+# (ext/compiled_steps.py)
+COMPILE_MODES = ("auto", "on", "off")
 
 
 class PagedEngine(Engine):

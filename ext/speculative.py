@@ -3,9 +3,9 @@ outputs identical to plain decoding, token for token.
 
 Each decoding sequence may propose up to k tokens: those that followed the latest earlier occurrence of its
 longest suffix of at most prompt_lookup_max tokens. Its plan entry then brings 1 + k tokens, its last token and
-the proposals, which the forward attends over its cached K/V, every speculating sequence in one call. The step draws, at each of the
-entry's positions, the token plain decoding would draw there: the sampler hashes (seed, position), so a draw
-depends only on the logits and the position. The proposals are kept up to the first that differs from its
+the proposals, which the forward attends over its cached K/V, every speculating sequence in one call. The step
+draws, at each of the entry's positions, the token plain decoding would draw there: the sampler hashes (seed,
+position), so a draw depends only on the logits and the position. The proposals are kept up to the first that differs from its
 draw, and that draw is kept too. The rest is rolled back exactly: the rejected tokens leave the sequence, its
 num_computed counts only the kept K/V, blocks past the one its next token goes in go back to the allocator at once,
 and only blocks whose every token was kept enter the prefix cache.
@@ -31,6 +31,16 @@ from sequence import SequenceStatus
 AUTO_TOKENS = 4
 AUTO_MAX_TOKENS = 8
 AUTO_MAX_DECODING = 8
+
+
+def next_auto_tokens(k, proposed, accepted):
+    """auto's count for a sequence that proposed k tokens and had `accepted` of the `proposed` verified: 2 more if
+    it accepted every one (up to AUTO_MAX_TOKENS), 1 fewer (down to 1) if some, half if none, as Hugging Face's
+    heuristic schedule for its assistant's tokens, with the halving added. At 0 the sequence guesses instead
+    (Speculative.guess), which costs no forward, and proposes 1 token again once a guess is the token drawn."""
+    if accepted == proposed:
+        return min(k + 2, AUTO_MAX_TOKENS)
+    return max(k - 1, 1) if accepted else k // 2
 
 
 class NgramIndex:
@@ -111,25 +121,30 @@ class Speculative:
         self.auto_tokens = {}  # sequence -> how many it may propose, with auto
         self.guesses = {}  # sequence -> the token it would propose, while auto lets it propose none
 
+    def speculating(self, num_decoding):
+        """Whether sequences propose this step: not while speculation is off, nor with auto while more than
+        AUTO_MAX_DECODING sequences decode."""
+        if self.num_speculative_tokens == "auto":
+            return num_decoding <= AUTO_MAX_DECODING
+        return self.num_speculative_tokens > 0
+
     def proposals_for(self, s, num_decoding):
-        """How many tokens s may propose: num_speculative_tokens; with auto, none while more than AUTO_MAX_DECODING
-        sequences decode, else a count of its own: AUTO_TOKENS at first, then after each verify step 2 more if it
-        accepted every proposal (up to AUTO_MAX_TOKENS, used alone), 1 fewer (down to 1) if it accepted some, half if none, as
-        Hugging Face's heuristic schedule for its assistant's tokens, and its halving. At 0 the sequence guesses
-        instead (guess), which costs no forward, and proposes 1 token again once a guess is the token drawn."""
+        """How many tokens s may propose, in a step that speculates: num_speculative_tokens; with auto, a count of
+        its own (next_auto_tokens), AUTO_TOKENS at first, past AUTO_TOKENS only for a sequence decoding alone.
+        A sequence readmitted after preemption starts again at AUTO_TOKENS."""
         if self.num_speculative_tokens != "auto":
             return self.num_speculative_tokens
-        if num_decoding > AUTO_MAX_DECODING:
-            return 0
         # NOTE: a verify step pads its rows to the longest, so beside other sequences none proposes past AUTO_TOKENS
         most = AUTO_MAX_TOKENS if num_decoding == 1 else AUTO_TOKENS
-        return min(self.auto_tokens.get(s, AUTO_TOKENS), most)
+        k = min(self.auto_tokens.get(s, AUTO_TOKENS), most)
+        self.auto_tokens[s] = k  # what it proposes, which its verify step adjusts
+        return k
 
     def schedule_decodes(self):
         """Each decoding sequence's next token, then its proposals, while the token budget and free blocks
         above the watermark last: speculation never preempts."""
         plan = super().schedule_decodes()
-        if not self.proposals_for(None, len(plan)):  # off, or auto while many decode
+        if not self.speculating(len(plan)):
             return plan
         budget = self.token_budget - len(plan)
         speculating = []
@@ -155,11 +170,6 @@ class Speculative:
             self.indexes[s] = NgramIndex(self.prompt_lookup_max)
         index = self.indexes[s]
         return index.propose(s.tokens, min(k, room))
-
-    def next_auto_tokens(self, k, proposed, accepted):
-        if accepted == proposed:
-            return min(k + 2, AUTO_MAX_TOKENS)
-        return max(k - 1, 1) if accepted else k // 2
 
     def guess(self, s):
         """Auto's measure of acceptance for a sequence that proposes nothing: the token it would propose."""
@@ -245,9 +255,7 @@ class Speculative:
             kept += 1
         self.notify("verified", s, len(proposal), kept - 1)  # a Meter counts them, per request and in all
         if self.num_speculative_tokens == "auto":
-            k = self.auto_tokens.get(s, AUTO_TOKENS)
-            k = self.next_auto_tokens(k, len(proposal), kept - 1)
-            self.auto_tokens[s] = k
+            self.auto_tokens[s] = next_auto_tokens(self.auto_tokens[s], len(proposal), kept - 1)
         num_before = s.num_computed
         s.num_computed += kept - 1  # the accepted proposals' K/V: they are the kept draws before the last
         for sampler, token in draws[:kept]:

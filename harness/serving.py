@@ -108,9 +108,9 @@ def make_engine(model, kind, args, prompts, news, vocab_size):
 def warm_up(engine, num_sequences):
     """Compile what the paged engine's steps will use before anything is timed, with a line that counts the
     seconds: its decode attention, and with --compile step its small steps' graph. The first compile on a
-    machine takes ~20 s on a CPU (~30 s for step), and inductor's on-disk cache (under /tmp/torchinductor_$USER)
-    brings later ones of decode attention to a few seconds. It serves tiny prompts through `engine`, which is
-    then spent: time a fresh one."""
+    machine takes ~20 s on a CPU (~60 s for step, ~35 s cached), and inductor's on-disk cache (under
+    /tmp/torchinductor_$USER) brings later ones of decode attention to a few seconds. It serves tiny prompts
+    through `engine`, which is then spent: time a fresh one."""
     if not isinstance(engine, PagedEngine) or engine.compile == "off":
         return
     runs = []

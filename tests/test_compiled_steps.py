@@ -2,6 +2,7 @@
 equal the eager engine's, greedy, sampled, n samples and beams, under preemption by recompute and by swap, with
 speculation, at block sizes 1, 3 and 16; small steps do take the graph, and one graph serves them all."""
 
+import copy
 import random
 
 import pytest
@@ -85,4 +86,4 @@ def test_step_is_refused_off_the_cpu(model):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     with pytest.raises(ValueError, match="compile 'step' compiles small steps on a CPU"):
-        ServingEngine(model.to("cuda"), num_blocks=10, compile="step")
+        ServingEngine(copy.deepcopy(model).cuda(), num_blocks=10, compile="step")
