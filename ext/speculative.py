@@ -122,11 +122,16 @@ class Speculative:
         self.guesses = {}  # sequence -> the token it would propose, while auto lets it propose none
 
     def speculating(self, num_decoding):
-        """Whether sequences propose this step: not while speculation is off, nor with auto while more than
-        AUTO_MAX_DECODING sequences decode."""
-        if self.num_speculative_tokens == "auto":
-            return num_decoding <= AUTO_MAX_DECODING
-        return self.num_speculative_tokens > 0
+        """Whether sequences propose this step: not while speculation is off; with auto, not while more than
+        AUTO_MAX_DECODING sequences decode, nor while a prompt waits to prefill, whose tokens would share the
+        step's budget with the proposals."""
+        if self.num_speculative_tokens != "auto":
+            return self.num_speculative_tokens > 0
+        if num_decoding > AUTO_MAX_DECODING:
+            return False
+        prefilling = any(s.status is SequenceStatus.PREFILLING for s in self.running)
+        admissible = self.waiting and len(self.running) < self.max_running
+        return not (prefilling or admissible)
 
     def proposals_for(self, s, num_decoding):
         """How many tokens s may propose, in a step that speculates: num_speculative_tokens; with auto, a count of

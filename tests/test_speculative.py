@@ -19,7 +19,7 @@ from ext import ServingEngine
 from ext.speculative import NgramIndex
 from harness.metrics import Meter
 from paged import blocks_for
-from sequence import Request, SamplingParams
+from sequence import Request, SamplingParams, SequenceStatus
 
 
 def repetitive_prompts(n, seed, vocab=300):
@@ -172,6 +172,29 @@ def test_auto_follows_each_sequences_acceptance_down_to_guessing_and_back(model)
     assert figures[0.9, "auto"][0] < figures[0.9, 4][0] / 2, "auto kept proposing what was rejected"
     greedy = figures[0.0, "auto"]
     assert greedy[0] > greedy[1] > 0.9 * figures[0.0, 4][1], "auto held back where proposals are accepted"
+
+
+def test_auto_leaves_the_budget_to_prompts_waiting_to_prefill(model):
+    """auto proposes nothing in a step while a prompt prefills or waits with a row free for it: proposals would
+    take its tokens' place in the step's budget. It speculates again once every prompt is in."""
+    prompts = repetitive_prompts(4, 5)
+    engine = ServingEngine(
+        model, num_blocks=100, block_size=4, token_budget=8, max_batch=4, num_speculative_tokens="auto"
+    )
+    steps = []
+    schedule_decodes = engine.schedule_decodes
+
+    def recorded():
+        plan = schedule_decodes()
+        waiting = any(s.status is SequenceStatus.PREFILLING for s in engine.running) or engine.waiting
+        steps.append((bool(waiting), bool(engine.proposals)))
+        return plan
+
+    engine.schedule_decodes = recorded
+    want = baseline(model, prompts, [30] * 4)
+    assert run_engine(engine, [Request(p, 30) for p in prompts], arrivals=[0, 0, 6, 12], check=True) == want
+    assert (True, True) not in steps, "proposals took a prompt's budget"
+    assert (False, True) in steps, "auto never speculated once the prompts were in"
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
