@@ -110,7 +110,8 @@ def main():
         batch_prompts = prompts(max(batch, 8))
         tokens = len(batch_prompts) * NEW_TOKENS
         print(
-            f"--- batch {batch}, compile {compile}: {len(batch_prompts)} requests of {PROMPT_TOKENS} + {NEW_TOKENS} tokens"
+            f"--- batch {batch}, compile {compile}: {len(batch_prompts)} requests of "
+            f"{PROMPT_TOKENS} + {NEW_TOKENS} tokens"
         )
         print(
             "| k | plain tok/s | speculative tok/s | speculative / plain | accepted | tokens per verify step | same |"

@@ -5,10 +5,10 @@ Each decoding sequence may propose up to k tokens: those that followed the lates
 longest suffix of at most prompt_lookup_max tokens. Its plan entry then brings 1 + k tokens, its last token and
 the proposals, which the forward attends over its cached K/V, every speculating sequence in one call. The step
 draws, at each of the entry's positions, the token plain decoding would draw there: the sampler hashes (seed,
-position), so a draw depends only on the logits and the position. The proposals are kept up to the first that differs from its
-draw, and that draw is kept too. The rest is rolled back exactly: the rejected tokens leave the sequence, its
-num_computed counts only the kept K/V, blocks past the one its next token goes in go back to the allocator at once,
-and only blocks whose every token was kept enter the prefix cache.
+position), so a draw depends only on the logits and the position. The proposals are kept up to the first that
+differs from its draw, and that draw is kept too. The rest is rolled back exactly: the rejected tokens leave the
+sequence, its num_computed counts only the kept K/V, blocks past the one its next token goes in go back to the
+allocator at once, and only blocks whose every token was kept enter the prefix cache.
 
 Plugs into the paged engine at schedule_decodes (proposals get slots, never by preempting), samplers (a
 sampler for each of an entry's positions), make_batch (VerifyBatch), mark_computed, append_tokens (verify and
@@ -141,9 +141,7 @@ class Speculative:
             return self.num_speculative_tokens
         # NOTE: a verify step pads its rows to the longest, so beside other sequences none proposes past AUTO_TOKENS
         most = AUTO_MAX_TOKENS if num_decoding == 1 else AUTO_TOKENS
-        k = min(self.auto_tokens.get(s, AUTO_TOKENS), most)
-        self.auto_tokens[s] = k  # what it proposes, which its verify step adjusts
-        return k
+        return min(self.auto_tokens.get(s, AUTO_TOKENS), most)
 
     def schedule_decodes(self):
         """Each decoding sequence's next token, then its proposals, while the token budget and free blocks
@@ -155,6 +153,8 @@ class Speculative:
         speculating = []
         for s, n in plan:
             k = self.proposals_for(s, len(plan))
+            if self.num_speculative_tokens == "auto":
+                self.auto_tokens[s] = k  # what it proposes: its verify step adjusts this
             if not k:
                 self.guess(s)
             proposal = self.propose(s, min(k, budget))
