@@ -53,7 +53,7 @@ class StepBatch:
         self.num_one_token = int((num_new == 1).sum())  # NOTE: the plan puts them first
         self.spans = list(zip(starts.tolist(), ends.tolist()))  # (start, end) of each entry's new tokens
         self.chunks = [Chunk(i, *self.spans[i], int(num_cached[i])) for i in range(self.num_one_token, len(plan))]
-        tokens = longs([t for s, n in plan for t in s.tokens[s.num_computed : s.num_computed + n]])
+        tokens = longs([t for s, n in plan for t in s.next_tokens(n)])
         entries = longs([x.entry for x in samplers])  # (S,) each sampler's plan entry
         rows = longs([x.sequence.row for x in samplers])
         backs = longs([x.back for x in samplers])
@@ -68,8 +68,11 @@ class StepBatch:
         """q, k, v: (N, H, D) for the step's new tokens -> (N, H, D)."""
         self.store(layer, k, v)
         out = [self.attend_one_token(layer, q[: self.num_one_token])] if self.num_one_token else []
-        out += [self.attend_chunk(layer, chunk, q, k, v) for chunk in self.chunks]
+        out += self.attend_chunks(layer, q, k, v)
         return torch.cat(out) if len(out) > 1 else out[0]
+
+    def attend_chunks(self, layer, q, k, v):  # each chunk alone (speculation verifies its together: ext/speculative.py)
+        return [self.attend_chunk(layer, chunk, q, k, v) for chunk in self.chunks]
 
     def attend_chunk(self, layer, chunk, q, k, v):
         """One prefill chunk's attention: q, k, v: (N, H, D) -> (n, H, D) for its n new tokens."""

@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-from sampling import sample
+from sampling import UINT32, sample
 from sequence import RequestStatus, Sequence, SequenceStatus
 
 
@@ -54,10 +54,9 @@ class Engine:
         self.waiting = deque()  # sequences
         self.running = []  # sequences, in the order they started
         self.finished = []  # requests
-        # each running sequence holds a row of these, so a step reads its sampling settings without copying them
+        # each running sequence holds a row of settings (sampling.sample's), so a step reads them without copying
         self.free_rows = list(range(max_batch))[::-1]
-        self.temperature = torch.zeros(max_batch, device=self.device)
-        self.top_k, self.seed = torch.zeros(2, max_batch, dtype=torch.long, device=self.device)
+        self.settings = torch.zeros(max_batch, 5, dtype=torch.float64, device=self.device)
 
     def notify(self, event, *args):  # each observer has a method for every event (harness/observer.py)
         for observer in self.observers:
@@ -83,6 +82,8 @@ class Engine:
         p = r.params
         if not 0 <= p.temperature < math.inf or (p.top_k is not None and p.top_k < 1):  # NaN too
             raise ValueError(f"temperature {p.temperature} must be a finite number >= 0 and top_k {p.top_k} >= 1")
+        if not (0 < p.top_p <= 1 and 0 <= p.min_p <= 1):
+            raise ValueError(f"top_p {p.top_p} must be in (0, 1] and min_p {p.min_p} in [0, 1]")
         if p.n != 1 or p.num_beams != 1:
             self.check_forks(r)
 
@@ -101,11 +102,10 @@ class Engine:
         plan = self.schedule()
         if not plan:  # admission always lets something run; never spin
             raise RuntimeError(f"no progress: {len(self.waiting)} waiting, {len(self.running)} running")
-        plan.sort(key=lambda e: e.num_tokens > 1)  # one-token entries first: they attend together
         self.notify("planned", plan)
         samplers = self.samplers(plan)
         batch = self.make_batch(plan, samplers)
-        logits = self.forward(batch)[: len(samplers)]  # (S, V)
+        logits = self.forward(batch)  # (S, V)
         self.mark_computed(plan)
         # at least float32, as vLLM's (float64 stays for greedy rows; draws are float32); ids past the
         # vocabulary never win
@@ -128,9 +128,8 @@ class Engine:
         s.row = self.free_rows.pop()
         s.request.status = RequestStatus.RUNNING
         # the one place a sequence's settings take their device form; on the device a top_k of 0 keeps every id
-        self.temperature[s.row] = s.request.params.temperature
-        self.top_k[s.row] = s.request.params.cut(self.vocab_size) or 0
-        self.seed[s.row] = s.seed
+        p = s.request.params
+        self.settings[s.row] = torch.tensor([p.temperature, p.cut(self.vocab_size), p.top_p, p.min_p, s.seed & UINT32])
         s.status = status
         self.running.append(s)
 
@@ -141,17 +140,8 @@ class Engine:
 
     def sample(self, logits, batch, samplers):
         """A token for every sampler, drawn on the device from its row's settings: (S,), left on the device."""
-        cuts = [s.request.params.cut(self.vocab_size) for s, _, _ in samplers if s.request.params.temperature > 0]
-        rows = batch.sample_rows
-        return sample(
-            logits,
-            temperature=self.temperature[rows],
-            top_k=self.top_k[rows],
-            seed=self.seed[rows],
-            position=batch.sample_pos,
-            max_top_k=max(filter(None, cuts), default=0),
-            uncut=None in cuts,
-        )
+        best = [s.request.params.best(self.vocab_size) for s, _, _ in samplers if s.request.params.temperature > 0]
+        return sample(logits, self.settings[batch.sample_rows], batch.sample_pos, max(best, default=0), 0 in best)
 
     def append_tokens(self, samplers, tokens, now):
         """Each token joins its sequence, which decodes from now on, done at max_new_tokens or eos; a request's

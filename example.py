@@ -3,8 +3,9 @@
 python example.py
 """
 
-from ext import ServingEngine, prepare
+from ext import ServingEngine
 from harness.checkpoints import SHIPPED, get_tokenizer, load_checkpoint
+from harness.tuning import prepare
 from scheduler import PagedEngine
 from sequence import Request, SamplingParams
 

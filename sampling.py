@@ -1,5 +1,6 @@
 """How the engine picks each next token from its logits: greedy rows take the argmax, sampled rows draw from a
-hash of (seed, position) on the logits' device, with no generator state and no host sync."""
+hash of (seed, position) on the logits' device, with no generator state and no host sync. A sampled row keeps
+the ids its settings keep, in Hugging Face's order: temperature, then top-k, top-p and min-p."""
 
 import torch
 
@@ -29,34 +30,54 @@ def argmax(logits):
     return logits.argmax(-1)
 
 
-def invert_cdf(candidates, temperature, u):
-    """candidates (R, C), temperature, u: (R,) -> (R, 1): the column whose softmax CDF first passes u."""
-    # the max is subtracted before dividing, so a tiny temperature tends to greedy instead of overflowing
-    shifted = candidates - candidates.max(-1, keepdim=True).values
-    cdf = (shifted / temperature[:, None]).softmax(-1).cumsum(-1)
+def scale(candidates, temperature):
+    """candidates (R, C) -> (candidates - each row's best) / temperature: log-probabilities up to a constant,
+    the best at 0, so that a tiny temperature tends to greedy instead of overflowing."""
+    return (candidates - candidates.max(-1, keepdim=True).values) / temperature
+
+
+def cut_value(x, top_k, top_p):
+    """x (R, K): scaled candidates, each row's best first -> (R, 1): the least value that top-k and top-p keep.
+    Top-k keeps the k best, and any tied with the k-th; top-p keeps the best while the probability before
+    them is below top_p, and any tied with the last kept (a top_k of 0, a top_p of 1 keep every id)."""
+    kth = x.gather(1, (top_k - 1).clamp(min=0)[:, None]).masked_fill(top_k[:, None] == 0, float("-inf"))
+    p = x.masked_fill(x < kth, float("-inf")).softmax(-1)  # top-p reads what top-k kept
+    num_kept = (p.cumsum(-1) - p < top_p[:, None]).sum(-1, keepdim=True)
+    last_kept = x.gather(1, num_kept - 1).masked_fill(top_p[:, None] == 1, float("-inf"))
+    return torch.maximum(kth, last_kept)
+
+
+def invert_cdf(x, least, u):
+    """x (R, C) scaled candidates, least (R, 1), u (R,) -> (R, 1): the column whose CDF, over the columns
+    of at least `least`, first passes u."""
+    cdf = x.masked_fill(x < least, float("-inf")).softmax(-1).cumsum(-1)
     # the cumsum ends at 1 only up to rounding: u is scaled to its real end, and the clamp catches a u rounded onto it
     column = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)
     return column.clamp(max=cdf.size(1) - 1)
 
 
-def sample(logits, temperature, top_k, seed, position, max_top_k=0, uncut=True):
-    """logits (R, V); temperature, top_k (0: keep every id), seed, position: (R,) -> (R,) token ids. Greedy
-    rows (temperature 0) take the argmax; the others sample at uniform(seed, position) among their own top_k
-    best, sorted, or every id. max_top_k: the largest top_k of a sampled row (0: none cuts); uncut: whether
-    some sampled row keeps every id."""
+def sample(logits, settings, position, num_best=0, uncut=True):
+    """logits (R, V); settings (R, 5): each row's temperature, top_k, top_p, min_p and seed; position (R,) -> (R,)
+    token ids. Greedy rows (temperature 0) take the argmax; the others draw at uniform(seed, position): a row
+    that cuts (top_k or top_p) among its best, sorted, the others in id order. min_p keeps the ids at least
+    min_p x as likely as the best. num_best: how many best ids hold every cutting row's (0: no row cuts);
+    uncut: whether some sampled row does not cut."""
     tokens = argmax(logits)
-    if not uncut and not max_top_k:  # every row greedy
+    if not uncut and not num_best:  # every row greedy
         return tokens
+    temperature, top_k, top_p, min_p, seed = settings.T
     sampled = temperature > 0
-    temperature = torch.where(sampled, temperature, 1.0)
-    u = uniform(seed, position)
+    temperature = torch.where(sampled, temperature, 1.0).float()[:, None]
+    u = uniform(seed.long(), position)
+    cuts = (top_k > 0) | (top_p < 1)
+    least = min_p.float().log()[:, None]  # a log-probability over the best's
     if uncut:
-        drawn = invert_cdf(logits.float(), temperature, u)[:, 0]
-        tokens = torch.where(sampled & (top_k == 0), drawn, tokens)
-    if max_top_k:  # (R, K): the K best, sorted, so a row's own top_k is a prefix
-        values, ids = logits.float().topk(max_top_k)
-        beyond_top_k = torch.arange(max_top_k, device=logits.device) >= top_k[:, None]
-        values = values.masked_fill(beyond_top_k, float("-inf"))
-        drawn = ids.gather(1, invert_cdf(values, temperature, u))[:, 0]
-        tokens = torch.where(sampled & (top_k > 0), drawn, tokens)
+        drawn = invert_cdf(scale(logits.float(), temperature), least, u)[:, 0]
+        tokens = torch.where(sampled & ~cuts, drawn, tokens)
+    if num_best:  # (R, K): the K best, sorted, so a row's cuts keep a prefix
+        values, ids = logits.float().topk(num_best)
+        x = scale(values, temperature)
+        least = torch.maximum(least, cut_value(x, top_k.long(), top_p.float()))
+        drawn = ids.gather(1, invert_cdf(x, least, u))[:, 0]
+        tokens = torch.where(sampled & cuts, drawn, tokens)
     return tokens

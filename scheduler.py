@@ -11,9 +11,6 @@ from sequence import SequenceStatus
 
 # compile "auto" on a CPU: compiled decode attention from this many rows, as fast or faster (docs/compile.md)
 COMPILE_FROM_ROWS = 16
-# and the extensions': "graph", captured CUDA decode steps (ext/cuda.py); "step", small CPU steps
-# (ext/compiled_steps.py)
-COMPILE_MODES = ("auto", "on", "off")
 
 
 class PagedEngine(Engine):
@@ -22,19 +19,22 @@ class PagedEngine(Engine):
     sets the process's allocator first (example.py), which the command line does too."""
 
     batch_class = PagedBatch  # the CUDA extension's stages each step in one copy (ext/cuda.py)
+    # an extension that adds a mode adds it here: "graph" (ext/cuda.py), "step" (ext/compiled_steps.py)
+    compile_modes = ("auto", "on", "off")
 
     def __init__(self, model, *, num_blocks, block_size=16, token_budget=512, prefix_cache=True, compile="auto", **kw):
         super().__init__(model, **kw)  # and max_batch, vocab_size, clock
-        if min(block_size, token_budget, num_blocks) < 1 or compile not in COMPILE_MODES:
+        if min(block_size, token_budget, num_blocks) < 1 or compile not in self.compile_modes:
             why = f"block_size {block_size}, token_budget {token_budget}, num_blocks {num_blocks} must be >= 1"
-            raise ValueError(f"{why}, compile {compile!r} one of {COMPILE_MODES}")
+            raise ValueError(f"{why}, compile {compile!r} one of {self.compile_modes}")
         self.block_size = block_size
         self.token_budget = token_budget
         self.prefix_cache = prefix_cache
         self.compile = compile
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.kv_pool = allocate_pool(model.config, num_blocks, block_size, self.device, model.lm_head.weight.dtype)
-        # auto: compiled decode attention on a GPU, and on a CPU from COMPILE_FROM_ROWS rows
+        # auto (and an extension's mode, for the steps it leaves to the core): compiled decode attention on a GPU,
+        # and on a CPU from COMPILE_FROM_ROWS rows
         self.compile_from = 1 if compile == "on" or self.kv_pool.is_cuda else COMPILE_FROM_ROWS
         self.max_running = min(self.max_batch, token_budget)  # so every decoding sequence fits in a step
         # 1% of the blocks are kept free at admission, for running sequences to grow, as vLLM V0's
@@ -46,10 +46,13 @@ class PagedEngine(Engine):
 
     def check(self, r):
         super().check(r)
-        need = blocks_for(len(r.prompt) + r.max_new_tokens - 1, self.block_size)  # the last token is never fed back
+        need = self.blocks_needed(r)
         if need > self.allocator.num_blocks:
             why = f"a request of {len(r.prompt)} + {r.max_new_tokens} tokens needs {need} blocks of {self.block_size}"
             raise ValueError(f"{why}, but the pool has only {self.allocator.num_blocks}")
+
+    def blocks_needed(self, r):  # at its longest, every sequence it runs at once (a beam group: ext/forks.py)
+        return blocks_for(len(r.prompt) + r.max_new_tokens - 1, self.block_size)  # the last token is never fed back
 
     def schedule(self):
         """The step's plan: decodes first, then prefill chunks in admission order until the budget runs out."""
@@ -64,7 +67,7 @@ class PagedEngine(Engine):
                 n = min(s.num_uncomputed(), budget)
                 plan.append(PlanEntry(s, n))
                 budget -= n
-        return plan
+        return sorted(plan, key=lambda e: e.num_tokens > 1)  # one-token entries first: they attend together
 
     def schedule_decodes(self):
         """A slot for each decoding sequence's next token, in the order they started, so that preemption takes
@@ -81,11 +84,13 @@ class PagedEngine(Engine):
         """Give s's next token a slot: a new block when its last is full (the forks extension copies a shared
         last block on write). May preempt s itself."""
         k = s.num_computed // self.block_size  # the block its next token goes in
-        if k < len(s.block_table) or not self.make_room(s):
-            return
-        [block] = self.allocator.allocate(1)
-        s.block_table.append(block)
-        self.block_tables[s.row, k] = block
+        if k == len(s.block_table) and self.make_room(s):
+            self.place_blocks(s, k, self.allocator.allocate(1))
+
+    def place_blocks(self, s, k, blocks):
+        """`blocks`, held, become s's blocks from its k-th on, in its block table and its row of block_tables."""
+        s.block_table[k : k + len(blocks)] = blocks
+        self.block_tables[s.row, k : k + len(blocks)] = torch.tensor(blocks)  # int64 ids, stored as int32
 
     def make_room(self, s):
         """Preempt the newest running sequences until one block can be allocated (a free cached block counts:
@@ -106,29 +111,40 @@ class PagedEngine(Engine):
         return 0
 
     def admit_next(self):
-        """Admit the head of the waiting queue, if a row and blocks allow -> the admitted, or none: then it
-        waits, and so does everyone behind it."""
-        s = self.waiting[0]
-        cached = self.allocator.cached_prefix(s) if self.prefix_cache else []
-        if not self.can_admit(s, cached):
+        """Admit the head of the waiting queue (with the forks extension, its whole beam group), if rows and blocks
+        allow -> the admitted, or none: then they wait, and so does everyone behind them."""
+        group = self.head_group()
+        hits = [self.allocator.cached_prefix(s) if self.prefix_cache else [] for s in group]
+        if not self.can_admit(group, hits):
             return []
-        for block in cached:
+        # NOTE: every hit is shared before any block is allocated, which could evict a free cached hit
+        for block in [block for cached in hits for block in cached]:
             self.allocator.share(block)
-        self.waiting.popleft()
-        self.admit(s, cached)
-        self.notify("admitted", [s])
-        return [s]
+        for s, cached in zip(group, hits):
+            self.waiting.popleft()
+            self.admit(s, cached)
+        self.notify("admitted", group)
+        return group
 
-    def can_admit(self, s, cached, copies=0):
-        """Whether a row is free and free blocks cover s's tokens less the cached ones (and `copies` more),
-        leaving the watermark. Not while a running sequence computes s's next prefix block: s waits, and
-        shares that block next step."""
-        if len(self.running) >= self.max_running or self.prefix_cache and self.prefix_in_flight(s, len(cached)):
+    def head_group(self):  # what is admitted together: the head of the queue (ext/forks.py: a beam group whole)
+        return [self.waiting[0]]
+
+    def can_admit(self, group, hits, copies=0):
+        """Whether rows are free for the group, and free blocks cover its tokens less its cached blocks `hits`
+        (and `copies` more), leaving the watermark. Not while a running sequence computes a member's next
+        prefix block: it waits, and shares that block next step."""
+        if len(self.running) + len(group) > self.max_running:
             return False
-        need = blocks_for(len(s.tokens), self.block_size) - len(cached) + copies
-        need += sum(self.allocator.ref_count[block] == 0 for block in cached)  # a free cached hit leaves the free
-        need += self.watermark if self.running else 0  # alone, a sequence may take the watermark
-        return self.allocator.can_allocate(need)
+        if self.prefix_cache and any(self.prefix_in_flight(s, len(cached)) for s, cached in zip(group, hits)):
+            return False
+        need = copies + sum(blocks_for(len(s.tokens), self.block_size) - len(cached) for s, cached in zip(group, hits))
+        need += len({block for cached in hits for block in cached if self.allocator.ref_count[block] == 0})
+        return self.can_allocate_above_watermark(need)  # a free cached hit leaves the free blocks too
+
+    def can_allocate_above_watermark(self, need):
+        return self.allocator.can_allocate(
+            need + (self.watermark if self.running else 0)
+        )  # alone, a sequence may take it
 
     def prefix_in_flight(self, s, k):
         """Is a prefilling sequence computing block k of s's prefix (not its last token's) right now?"""
@@ -146,9 +162,8 @@ class PagedEngine(Engine):
         blocks copied back), then new blocks for the rest of its tokens."""
         s.num_computed = len(blocks) * self.block_size
         num_new = blocks_for(len(s.tokens), self.block_size) - len(blocks)
-        s.block_table = blocks + self.allocator.allocate(num_new)
         self.start(s)
-        self.block_tables[s.row, : len(s.block_table)] = torch.tensor(s.block_table)  # int64 ids, stored as int32
+        self.place_blocks(s, 0, blocks + self.allocator.allocate(num_new))
 
     def make_batch(self, plan, samplers):
         compiled = self.compile != "off" and sum(n == 1 for _, n in plan) >= self.compile_from

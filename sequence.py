@@ -5,14 +5,16 @@ from dataclasses import dataclass
 from enum import Enum
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SamplingParams:
-    """How a request's next tokens are chosen. One meaning each: top_k None keeps every id, eos None runs to
-    max_new_tokens (as nanoGPT's sample.py), temperature 0 is greedy. n and num_beams above 1 need the forks
-    extension (ext/forks.py)."""
+    """How a request's next tokens are chosen. One meaning each: temperature 0 is greedy; top_k None, top_p 1 and
+    min_p 0 keep every id, and the sampler applies them in Hugging Face's order (sampling.py); eos None runs to
+    max_new_tokens (as nanoGPT's sample.py). n and num_beams above 1 need the forks extension (ext/forks.py)."""
 
     temperature: float = 0.0
-    top_k: int | None = None
+    top_k: int | None = None  # the k likeliest ids, and any tied with the k-th (as HF's and vLLM's)
+    top_p: float = 1.0  # the likeliest ids while the probability before them is below top_p (as HF's and vLLM's)
+    min_p: float = 0.0  # the ids at least min_p x as likely as the likeliest (as HF's and vLLM's)
     seed: int = 0  # sample i of n draws with seed + i
     n: int = 1  # samples, forked after one prefill
     num_beams: int = 1  # beam search (greedy, as transformers' num_beams)
@@ -20,8 +22,12 @@ class SamplingParams:
     eos: int | None = None  # a token that ends each sequence sampling it (as HF's eos_token_id)
 
     def cut(self, vocab_size):
-        """The top_k that cuts the candidates, or None: a top_k of vocab_size or more keeps every id."""
-        return self.top_k if (self.top_k or vocab_size) < vocab_size else None
+        """The top_k that cuts the candidates, or 0: none, or one of vocab_size or more, keeps every id."""
+        return self.top_k if (self.top_k or vocab_size) < vocab_size else 0
+
+    def best(self, vocab_size):
+        """How many of the best ids hold those that top_k and top_p keep: 0 when neither cuts."""
+        return self.cut(vocab_size) or vocab_size * (self.top_p < 1)
 
 
 class RequestStatus(Enum):
@@ -68,6 +74,7 @@ class Sequence:
         self.block_table = []  # physical block of each logical block
         self.num_computed = 0  # tokens whose K/V are in the cache
         self.block_hashes = []  # chained hash of each full block of tokens, computed once each
+        self.proposed = []  # tokens proposed to follow its own in this step, until verified (ext/speculative.py)
 
     @property
     def generated(self):
@@ -75,3 +82,8 @@ class Sequence:
 
     def num_uncomputed(self):
         return len(self.tokens) - self.num_computed
+
+    def next_tokens(self, n):
+        """Its next n tokens to compute: those not computed yet, then any proposed."""
+        tokens = self.tokens[self.num_computed : self.num_computed + n]
+        return tokens + self.proposed[: n - len(tokens)]

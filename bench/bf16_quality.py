@@ -33,8 +33,7 @@ JOB = os.path.join(ROOT, "out", "bf16_quality", "job.json")
 
 def data():
     """The prompts and the held-out windows, as token ids; the model exported once for vLLM."""
-    from ext.hf import export_hf
-    from harness.checkpoints import SHIPPED, get_tokenizer, load_checkpoint, shakespeare
+    from harness.checkpoints import SHIPPED, export_hf, get_tokenizer, load_checkpoint, shakespeare
 
     model = load_checkpoint(SHIPPED)
     val = get_tokenizer(model.config.vocab_size).encode_ordinary(shakespeare()[1])
@@ -57,8 +56,9 @@ def run_ours(dtype, prompts, windows):
     import torch
     import torch.nn.functional as F
 
-    from ext import ServingEngine, prepare
+    from ext import ServingEngine
     from harness.checkpoints import SHIPPED, load_checkpoint
+    from harness.tuning import prepare
     from sequence import Request
 
     model = load_checkpoint(SHIPPED).to(getattr(torch, dtype))

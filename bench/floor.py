@@ -30,9 +30,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import engine as engine_py
 from batch import Staging, StepBatch
 from engine import PlanEntry, Sampler
-from ext import ServingEngine, prepare
+from ext import ServingEngine
 from harness.checkpoints import get_tokenizer, load_checkpoint
 from harness.serving import workload
+from harness.tuning import prepare
 from model import GPT, GPTConfig, attend
 from sequence import Request, SamplingParams
 

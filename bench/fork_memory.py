@@ -24,11 +24,12 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from ext import ServingEngine, prepare
+from ext import ServingEngine
 from harness.checkpoints import get_tokenizer, load_checkpoint
 from harness.flags import check_image_name, fail, number_type, prepare_output, span
 from harness.metrics import Meter
 from harness.serving import workload
+from harness.tuning import prepare
 from sequence import Request, SamplingParams
 
 

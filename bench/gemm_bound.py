@@ -31,7 +31,7 @@ def mm_gflops(dtype, n=4096, repeats=5):
     On an AMD CPU torch.mm's float32 path (MKL) runs well below oneDNN's, so the engine's own call is the
     fairer ceiling there."""
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from ext.tuning import prepack
+    from harness.tuning import prepack
 
     a, model = torch.randn(n, n, dtype=dtype), torch.nn.Sequential(torch.nn.Linear(n, n, bias=False)).to(dtype).eval()
     prepack(model)

@@ -28,10 +28,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from ext import ServingEngine, prepare
-from ext.hf import to_transformers
-from harness.checkpoints import get_tokenizer, load_checkpoint, shakespeare
+from ext import ServingEngine
+from harness.checkpoints import get_tokenizer, load_checkpoint, shakespeare, to_transformers
 from harness.flags import prepare_output
+from harness.tuning import prepare
 from model import GPT, GPTConfig
 from sequence import Request, SamplingParams
 

@@ -14,7 +14,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from ext.tuning import PackedLinear, prepack
+from harness.tuning import PackedLinear, prepack
 
 
 def mean_us(f, x, n=300):

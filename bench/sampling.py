@@ -24,9 +24,10 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from ext import ServingEngine, prepare
+from ext import ServingEngine
 from harness.checkpoints import get_tokenizer
 from harness.serving import workload
+from harness.tuning import prepare
 from model import GPT, GPTConfig
 from sequence import Request, SamplingParams
 

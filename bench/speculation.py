@@ -25,10 +25,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from ext import ServingEngine, prepare
-from ext.hf import to_transformers
-from harness.checkpoints import SHIPPED, get_tokenizer, load_checkpoint, shakespeare
+from ext import ServingEngine
+from harness.checkpoints import SHIPPED, get_tokenizer, load_checkpoint, shakespeare, to_transformers
 from harness.metrics import Meter, speculation
+from harness.tuning import prepare
 from sequence import Request
 
 PROMPT_TOKENS, NEW_TOKENS = 64, 128
@@ -220,7 +220,7 @@ def run_vllm(vllm_python, folder, prompts_file, k):
 
 def vllm_table(model, vllm_python, ks, repeats, compiles):
     """Batch 1: vLLM's ngram speculation against its plain greedy decoding, and ours (speculating) against it."""
-    from ext.hf import export_hf
+    from harness.checkpoints import export_hf
 
     root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "out", "speculation")
     folder, prompts_file = os.path.join(root, "hf"), os.path.join(root, "prompts.json")

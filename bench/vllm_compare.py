@@ -83,7 +83,7 @@ def export(shape):
         sys.path.insert(0, ROOT)
         import torch
 
-        from ext.hf import export_hf
+        from harness.checkpoints import export_hf
         from model import GPT, GPTConfig
 
         n_layer, n_head, n_embd = SHAPES[shape]
@@ -98,8 +98,9 @@ def run_ours(job):
     sys.path.insert(0, ROOT)
     import torch
 
-    from ext import ServingEngine, prepare
+    from ext import ServingEngine
     from harness.checkpoints import load_checkpoint
+    from harness.tuning import prepare
     from paged import blocks_for
     from sequence import Request, SamplingParams
 

@@ -1,28 +1,58 @@
-"""The extensions, each in a file of its own, and the engine that composes them all. Each plugs in where the core
-names it, and each does nothing until asked for, so ServingEngine runs what the bare PagedEngine runs, the same
-token for token:
+"""The engine's extensions, each in a file of its own. Each subclasses the paged engine at methods the core names
+(engine.py lists them), and does nothing until asked for:
     forks.py   n samples and beam search, with copy-on-write      (SamplingParams n > 1, num_beams > 1)
     swap.py    swap preemption to host memory                      (swap_blocks > 0)
     speculative.py  prompt-lookup speculative decoding             (num_speculative_tokens > 0 or "auto")
     cuda.py    one-copy staging and CUDA graphs of decode steps    (compile="graph"; captured on CUDA)
     compiled_steps.py  small steps as one compiled graph on a CPU  (compile="step")
-    tuning.py  prepacked CPU linears, the process's settings       (prepare(model), before the engine)
-    hf.py      Hugging Face GPT-2 import and export
 
-    from ext import ServingEngine, prepare
-    engine = ServingEngine(prepare(model), num_blocks=256, swap_blocks=64)
+engine_class composes exactly the extensions a run asks for, so that a plain run is the bare PagedEngine;
+ServingEngine has them all, each idle until asked for, and gives the core's tokens where the core runs:
+
+    from ext import ServingEngine, engine_class
+    engine = engine_class(forks=True, swap=True)(model, num_blocks=256, swap_blocks=64)
 """
+
+import functools
 
 from ext.compiled_steps import CompiledSteps
 from ext.cuda import CudaGraphs
 from ext.forks import PagedForks
 from ext.speculative import Speculative
 from ext.swap import Swap
-from ext.tuning import prepare
 from scheduler import PagedEngine
 
-__all__ = ["ServingEngine", "prepare"]
+__all__ = ["ServingEngine", "engine_class"]
+
+EXTENSIONS = (CompiledSteps, Speculative, PagedForks, Swap, CudaGraphs)  # in the order they compose
 
 
-class ServingEngine(CompiledSteps, Speculative, PagedForks, Swap, CudaGraphs, PagedEngine):
-    """PagedEngine with every extension: what generate.py serves with."""
+def engine_class(*, forks=False, swap=False, speculative=False, compile="auto"):
+    """PagedEngine with the extensions asked for: forks (n samples or beams), swap (a swap space), speculative
+    (speculative decoding), and the one that brings compile mode "graph" or "step". None asked: PagedEngine."""
+    wanted = {
+        CompiledSteps: compile == "step",
+        Speculative: speculative,
+        PagedForks: forks,
+        Swap: swap,
+        CudaGraphs: compile == "graph",
+    }
+    return compose(*(extension for extension in EXTENSIONS if wanted[extension]))
+
+
+@functools.cache
+def compose(*extensions):
+    """PagedEngine with these extensions first in its MRO: it accepts the compile modes of each. The same
+    extensions give the same class."""
+    if not extensions:
+        return PagedEngine
+    bases = (*extensions, PagedEngine)
+    modes = [mode for base in bases for mode in getattr(base, "compile_modes", ())]
+    name = "".join(extension.__name__ for extension in extensions) + "Engine"
+    return type(name, bases, {"compile_modes": tuple(dict.fromkeys(modes))})
+
+
+class ServingEngine(*EXTENSIONS, PagedEngine):
+    """PagedEngine with every extension, each idle until asked for: the tests' and benchmarks' engine."""
+
+    compile_modes = compose(*EXTENSIONS).compile_modes

@@ -100,7 +100,7 @@ def row(s, n, Q, W, padding, real=True):
     """Sequence s's next n tokens as a row of Q: its tokens, their positions, which are real, and its W blocks
     and the padding block."""
     first = s.num_computed
-    tokens = s.tokens[first : first + n]
+    tokens = s.next_tokens(n)
     positions = list(range(first, first + n))
     blocks = s.block_table[:W]
     pad = Q - n
@@ -147,13 +147,13 @@ def alias(t):
 class CompiledSteps:
     """A PagedEngine mixin: compile="step" runs small steps on a CPU as one compiled graph (RowBatch)."""
 
-    def __init__(self, model, *, compile="auto", **kw):
-        core_compile = "auto" if compile == "step" else compile  # the core runs other steps as with auto
-        super().__init__(model, compile=core_compile, **kw)
-        if compile == "step" and self.device.type != "cpu":
+    compile_modes = ("auto", "on", "off", "step")  # steps too large for the graph run as with auto
+
+    def __init__(self, model, **kw):
+        super().__init__(model, **kw)
+        if self.compile == "step" and self.device.type != "cpu":
             raise ValueError("compile 'step' compiles small steps on a CPU; on CUDA, ask for 'graph'")
-        self.compile = compile
-        if compile == "step":
+        if self.compile == "step":
             self.compiled_forward = torch.compile(forward_rows, dynamic=True)
             self.slot_pool = alias(self.kv_pool.flatten(2, 3))  # (2, n_layer, slots, H, D)
 
@@ -170,4 +170,4 @@ class CompiledSteps:
         with DISTINCT_SIZES, INDUCTOR_SETTINGS:
             logits, new_kv = self.compiled_forward(self.model, batch)
         self.slot_pool.index_copy_(2, batch.slots, new_kv)  # every layer's K and V in one indexed copy
-        return logits
+        return logits[:-2]  # the samplers' rows, without the two that keep the graph's sizes above 1

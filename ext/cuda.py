@@ -90,17 +90,15 @@ class CudaGraphs:
     16, each row reading as many blocks as the longest context has (narrower tables, in graphs of their own, ran
     no faster end to end on an H200: docs/gpu.md); on CUDA one graph per bucket, captured largest first in one
     memory pool. With it, on CUDA, every step stages in one copy.
-    NOTE: "graph" is asked for, not auto's choice: until 2026-11-26 auto chose it on CUDA, in the form a GPU had
-    run; this form (fixed GraphInputs, captured from a batch with no plan) has run on the CPU only, padded and
-    uncaptured, so auto stays compiled and eager on CUDA until a GPU run checks it (tests/test_decode_graphs.py)."""
+    NOTE: "graph" is asked for, not auto's choice on CUDA: this form (fixed GraphInputs, captured from a batch
+    with no plan) has run on the CPU only, padded and uncaptured (tests/test_decode_graphs.py); auto chooses it
+    once a GPU has run the CUDA tests and checked its tokens against Hugging Face's."""
 
     graph_batch_class = GraphBatch  # a padded step's batch: bench/gpu.py's flex_attention candidate subclasses it
+    compile_modes = ("auto", "on", "off", "graph")  # steps it does not pad run as with auto
 
-    def __init__(self, model, *, compile="auto", **kw):
-        # the core compiles decode attention as auto does: 16 rows on a CPU, every row on CUDA
-        core_compile = "auto" if compile == "graph" else compile
-        super().__init__(model, compile=core_compile, **kw)
-        self.compile = compile
+    def __init__(self, model, **kw):
+        super().__init__(model, **kw)
         if self.device.type == "cuda" and self.compile == "graph":  # the GPU path, asked for (NOTE above)
             self.batch_class = StagedBatch
         largest = self.max_running
@@ -133,17 +131,19 @@ class CudaGraphs:
         for b in reversed(self.graph_batches):
             inputs = self.graph_inputs[b]
             batch = self.graph_batch_class([], [], self.device, self.kv_pool, self.block_tables, inputs)
-            self.forward(batch)  # warm-up: compiles and allocates outside the capture
+            super().forward(batch)  # warm-up: compiles and allocates outside the capture
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = self.forward(batch)
+                logits = super().forward(batch)  # every padded row's: forward drops the padding's
             pool = graph.pool()
             self.graphs[b] = (graph, logits)
 
     def forward(self, batch):
-        captured = isinstance(batch, GraphBatch) and len(batch.idx) in self.graphs
-        if not captured:  # launch the forward's kernels one by one
+        """The logits of the step's samplers: a padded step's padding rows are dropped here."""
+        if not isinstance(batch, GraphBatch):
             return super().forward(batch)
+        if len(batch.idx) not in self.graphs:  # not captured (on a CPU): launch the forward's kernels one by one
+            return super().forward(batch)[: len(batch.sample_rows)]
         graph, logits = self.graphs[len(batch.idx)]
         graph.replay()
-        return logits
+        return logits[: len(batch.sample_rows)]

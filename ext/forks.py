@@ -4,13 +4,12 @@ dying as their scores rank. On the paged engine forks share their parent's block
 than one sequence is copied before it is written (copy-on-write).
 
 Forks plugs into any engine at check_forks, samplers, mark_computed, sample and append_tokens; PagedForks
-adds the paged scheduler's side (reserve_slot, preempt, admit_next, can_admit), as a beam group is preempted
-and readmitted whole. An engine gives a fork its parent's K/V in fork_kv."""
+adds the paged scheduler's side (blocks_needed, reserve_slot, preempt, head_group, can_admit), as a beam group
+is preempted and readmitted whole. An engine gives a fork its parent's K/V in fork_kv."""
 
 import torch
 
 from engine import Sampler
-from paged import blocks_for
 from sequence import Sequence, SequenceStatus
 
 
@@ -155,14 +154,8 @@ class PagedForks(Forks):
     """Forks on the paged engine: they share blocks, copied on write; a beam group is preempted and admitted
     whole, since a beam needs all its group to step."""
 
-    def check(self, r):
-        super().check(r)
-        need = blocks_for(len(r.prompt) + r.max_new_tokens - 1, self.block_size)
-        if need * r.params.num_beams > self.allocator.num_blocks:  # a preempted beam group comes back whole
-            why = f"a request of {len(r.prompt)} + {r.max_new_tokens} tokens needs {need} blocks of {self.block_size}"
-            raise ValueError(
-                f"{why} for each of {r.params.num_beams} beams, but the pool has only {self.allocator.num_blocks}"
-            )
+    def blocks_needed(self, r):  # a preempted beam group comes back whole
+        return super().blocks_needed(r) * r.params.num_beams
 
     def fork_kv(self, parent, child):
         for block in parent.block_table:
@@ -179,12 +172,11 @@ class PagedForks(Forks):
             return super().reserve_slot(s)
         if not self.make_room(s):
             return
-        [block] = self.allocator.allocate(1)
         shared = s.block_table[k]
+        [block] = self.allocator.allocate(1)
         self.kv_pool[:, :, block] = self.kv_pool[:, :, shared]
         self.allocator.free([shared])
-        s.block_table[k] = block
-        self.block_tables[s.row, k] = block
+        self.place_blocks(s, k, [block])
         self.notify("copied", block)
 
     def group(self, s, sequences):
@@ -199,36 +191,18 @@ class PagedForks(Forks):
                 x.logprobs = None
             super().preempt(x)
 
-    def admit_next(self):
+    def head_group(self):
         """A preempted beam group heads the queue, and is admitted whole."""
-        group = self.group(self.waiting[0], self.waiting)
-        if len(group) == 1:
-            return super().admit_next()
-        if sum(num_rows(x) for x in self.running + group) > self.max_running:
-            return []
-        hits = [self.allocator.cached_prefix(x) if self.prefix_cache else [] for x in group]
-        need = sum(blocks_for(len(x.tokens), self.block_size) for x in group) - sum(map(len, hits))
-        revived = {block for h in hits for block in h if self.allocator.ref_count[block] == 0}
-        need += len(revived)  # a free cached hit leaves the free blocks
-        need += self.watermark if self.running else 0
-        if not self.allocator.can_allocate(need):
-            return []
-        # NOTE: every hit is shared before any member allocates, which could evict a free cached block
-        # that another member of the group is about to share
-        for block in (block for h in hits for block in h):
-            self.allocator.share(block)
-        for s, cached in zip(group, hits):
-            self.waiting.popleft()  # the group heads the queue
-            self.admit(s, cached)
-        self.notify("admitted", group)
-        return group
+        return self.group(self.waiting[0], self.waiting)
 
-    def can_admit(self, s, cached, copies=0):
-        """Rows for every sequence s's request will run, and blocks for its forks' copies of a shared last block."""
-        if sum(num_rows(x) for x in self.running) + num_rows(s) > self.max_running:
+    def can_admit(self, group, hits, copies=0):
+        """Rows for every sequence the group's request will run, and blocks for its forks' copies of a shared
+        last block."""
+        if sum(num_rows(x) for x in self.running + group) > self.max_running:
             return False
         # the forks of a prompt each copy its last block, if partly filled, on their first write; alone, a
         # sequence's forks may preempt each other
+        s = group[0]
         if self.running and len(s.tokens) % self.block_size:
             copies += num_rows(s) - 1
-        return super().can_admit(s, cached, copies)
+        return super().can_admit(group, hits, copies)

@@ -10,19 +10,21 @@ differs from its draw, and that draw is kept too. The rest is rolled back exactl
 sequence, its num_computed counts only the kept K/V, blocks past the one its next token goes in go back to the
 allocator at once, and only blocks whose every token was kept enter the prefix cache.
 
-Plugs into the paged engine at schedule_decodes (proposals get slots, never by preempting), samplers (a
-sampler for each of an entry's positions), make_batch (VerifyBatch), mark_computed, append_tokens (verify and
-roll back) and release.
+Plugs into the paged engine at schedule_decodes (proposals get slots, never by preempting, and wait in
+Sequence.proposed until verified), samplers (a sampler for each of an entry's positions), batch_class (verify
+rows: VerifyRows), mark_computed, append_tokens (verify and roll back) and release.
 Speculation never preempts and never runs for beams. num_speculative_tokens "auto" speculates only while
 few sequences decode, where a verify step costs about what a decode step costs (AUTO_MAX_DECODING), each
 sequence as many tokens as its own acceptance earns (proposals_for)."""
+
+import functools
 
 import torch
 
 from batch import longs
 from engine import PlanEntry, Sampler
 from model import attend
-from paged import PagedBatch, blocks_for, gather_kv
+from paged import blocks_for, gather_kv
 from sequence import SequenceStatus
 
 # num_speculative_tokens "auto": speculation while at most AUTO_MAX_DECODING sequences decode (bench/speculation.py
@@ -65,18 +67,21 @@ class NgramIndex:
         return []
 
 
-class VerifyBatch(PagedBatch):
-    """A step whose first num_verify chunks verify proposals (a decoding sequence's next token and its proposals,
-    after its cached K/V): they attend together in one call, as one-token entries do, each row padded to the
-    longest; the other chunks, prompts, attend one at a time. On the device, besides PagedBatch's:
+class VerifyRows:
+    """A mixin of the engine's batch class (verify_batch_class): the step's first num_verify chunks, those of
+    sequences that propose tokens (their next token and its proposals, after their cached K/V), attend together in
+    one call, as one-token entries do, each row padded to the longest; the other chunks, prompts, attend one at
+    a time. On the device, besides the batch's:
         verify_index: (R, Q) each row's tokens in the step's, its last repeated as padding;
         verify_pos: (R, Q) their positions; verify_table: (R, W) the rows' blocks;
         verify_real: the real tokens' places in the flattened (R * Q) rows."""
 
-    def __init__(self, plan, samplers, device, kv_pool, block_tables, compiled, num_verify):
-        super().__init__(plan, samplers, device, kv_pool, block_tables, compiled)
-        self.num_verify = num_verify
-        chunks = self.chunks[:num_verify]
+    def __init__(self, plan, samplers, *args):
+        super().__init__(plan, samplers, *args)
+        self.num_verify = sum(bool(s.proposed) for s, _ in plan)  # NOTE: the plan puts them first among chunks
+        if not self.num_verify:
+            return
+        chunks = self.chunks[: self.num_verify]
         lengths = [c.end - c.start for c in chunks]
         width = max(lengths)
         offsets = longs([[min(j, n - 1) for j in range(width)] for n in lengths])  # (R, Q)
@@ -85,23 +90,27 @@ class VerifyBatch(PagedBatch):
         first = chunks[0].entry
         longest = max(c.num_cached + n for c, n in zip(chunks, lengths))
         num_blocks = blocks_for(longest, self.k_pool.shape[2])
-        table = self.table[first : first + num_verify, :num_blocks]
+        table = self.table[first : first + self.num_verify, :num_blocks]
         real = (torch.arange(width) < longs(lengths)[:, None]).flatten().nonzero()[:, 0]  # not padding, in (R * Q)
         self.verify_index, self.verify_pos, self.verify_table, self.verify_real = self.stage(
             index, positions, table, real
         )
 
-    def attend(self, layer, q, k, v):
-        """As StepBatch.attend, with the verify chunks in one call."""
-        self.store(layer, k, v)
-        out = [self.attend_one_token(layer, q[: self.num_one_token])] if self.num_one_token else []
+    def attend_chunks(self, layer, q, k, v):
+        """The verify rows in one call, then the other chunks one at a time."""
+        if not self.num_verify:
+            return super().attend_chunks(layer, q, k, v)
         keys = gather_kv(self.k_pool[layer], self.verify_table)  # (R, L, H, D)
         values = gather_kv(self.v_pool[layer], self.verify_table)
         y = attend(q[self.verify_index], keys, values, self.verify_pos)  # (R, Q, H, D)
-        out.append(y.flatten(0, 1).index_select(0, self.verify_real))
-        for chunk in self.chunks[self.num_verify :]:
-            out.append(self.attend_chunk(layer, chunk, q, k, v))
-        return torch.cat(out) if len(out) > 1 else out[0]
+        verified = y.flatten(0, 1).index_select(0, self.verify_real)
+        return [verified] + [self.attend_chunk(layer, chunk, q, k, v) for chunk in self.chunks[self.num_verify :]]
+
+
+@functools.cache
+def verify_batch_class(batch_class):
+    """The engine's batch class (PagedBatch, or on CUDA one-copy staging's) with verify rows."""
+    return type("Verify" + batch_class.__name__, (VerifyRows, batch_class), {})
 
 
 class Speculative:
@@ -116,8 +125,9 @@ class Speculative:
             raise ValueError(f"prompt_lookup_max is {prompt_lookup_max}; it must be at least 1")
         self.num_speculative_tokens = num_speculative_tokens
         self.prompt_lookup_max = prompt_lookup_max
+        self.batch_class = verify_batch_class(self.batch_class)
         self.indexes = {}  # sequence -> its NgramIndex
-        self.proposals = {}  # sequence -> the tokens it proposes this step, until they are verified
+        self.proposing = []  # the sequences whose proposals (s.proposed) this step verifies
         self.auto_tokens = {}  # sequence -> how many it may propose, with auto
         self.guesses = {}  # sequence -> the token it would propose, while auto lets it propose none
 
@@ -160,7 +170,8 @@ class Speculative:
             proposal = self.propose(s, min(k, budget))
             proposal = proposal[: self.reserve_proposals(s, len(proposal))]
             if proposal:
-                self.proposals[s] = proposal
+                s.proposed = proposal
+                self.proposing.append(s)
             budget -= len(proposal)
             speculating.append(PlanEntry(s, n + len(proposal)))
         return speculating
@@ -190,43 +201,28 @@ class Speculative:
 
     def reserve_proposals(self, s, k):
         """Slots for up to k proposed tokens after s's next token, in free blocks above the watermark -> how many."""
-        free = self.allocator.num_free() - self.watermark
         held = len(s.block_table)
-        while k and blocks_for(s.num_computed + 1 + k, self.block_size) - held > free:
+        while k and not self.can_allocate_above_watermark(blocks_for(s.num_computed + 1 + k, self.block_size) - held):
             k -= 1
         num_new = blocks_for(s.num_computed + 1 + k, self.block_size) - held
-        for block in self.allocator.allocate(max(0, num_new)):
-            self.block_tables[s.row, len(s.block_table)] = block
-            s.block_table.append(block)
+        self.place_blocks(s, held, self.allocator.allocate(max(0, num_new)))
         return k
 
-    def make_batch(self, plan, samplers):
-        if not self.proposals:
-            return super().make_batch(plan, samplers)
-        num_one_token = sum(n == 1 for _, n in plan)
-        compiled = self.compile != "off" and num_one_token >= self.compile_from
-        num_verify = len(self.proposals)
-        return VerifyBatch(plan, samplers, self.device, self.kv_pool, self.block_tables, compiled, num_verify)
-
     def samplers(self, plan):
-        """A speculating sequence's proposals join its tokens, and it draws at each of its entry's positions:
-        back = 0 reads its last proposal's logits, back = k its next token's."""
-        if not self.proposals:
-            return super().samplers(plan)
-        for s, proposal in self.proposals.items():
-            s.tokens += proposal
+        """A speculating sequence draws at each of its entry's positions: back = 0 reads its last proposal's
+        logits, back = k its next token's."""
         samplers = super().samplers(plan)
-        for s, i, _ in list(samplers):
-            num_proposed = len(self.proposals.get(s, []))
-            samplers += [Sampler(s, i, back) for back in range(1, num_proposed + 1)]
+        for i, (s, _) in enumerate(plan):
+            if s.proposed:
+                samplers += [Sampler(s, i, back) for back in range(len(s.proposed) + 1)]
         return samplers
 
     def mark_computed(self, plan):
         """Only the tokens known to be kept count: each speculating entry's first, its next token; the
         proposals count once verified, so that no block holding one enters the prefix cache before."""
-        if not self.proposals:
+        if not self.proposing:
             return super().mark_computed(plan)
-        verified = [n - len(self.proposals.get(s, [])) for s, n in plan]
+        verified = [n - len(s.proposed) for s, n in plan]
         super().mark_computed([PlanEntry(s, n) for (s, _), n in zip(plan, verified)])
 
     def append_tokens(self, samplers, tokens, now):
@@ -234,12 +230,12 @@ class Speculative:
         the kept draws one at a time, as plain decoding would."""
         if self.guesses:
             self.check_guesses(samplers, tokens)
-        if not self.proposals:
+        if not self.proposing:
             return super().append_tokens(samplers, tokens, now)
         drawn = {}  # a speculating sequence -> its draws, at positions num_computed, num_computed + 1, ...
         plain, plain_tokens = [], []
         for x, token in zip(samplers, tokens):
-            if x.sequence in self.proposals:
+            if x.sequence.proposed:
                 drawn.setdefault(x.sequence, {})[x.back] = (x, token)
             else:
                 plain.append(x)
@@ -248,12 +244,13 @@ class Speculative:
         for s, by_back in drawn.items():
             in_order = sorted(by_back, reverse=True)  # back k first: the draw at s's next position
             self.verify(s, [by_back[back] for back in in_order], now)
+        self.proposing = []
 
     def verify(self, s, draws, now):
         """draws: (sampler, token) at s's positions num_computed, ... -> the kept: the draws up to and including
         the first that differs from the proposal before it; the K/V of the kept proposals stay computed."""
-        proposal = self.proposals.pop(s)
-        del s.tokens[len(s.tokens) - len(proposal) :]
+        proposal = s.proposed
+        s.proposed = []
         kept = 1
         tokens = [token for _, token in draws]
         while kept < len(draws) and tokens[kept - 1] == proposal[kept - 1]:

@@ -80,7 +80,8 @@ class ContiguousEngine(Forks, Engine):
             s.k = [empty] * c.n_layer  # one tensor per layer, (L, H, D)
             s.v = [empty] * c.n_layer
             self.start(self.waiting.popleft())
-        return [PlanEntry(s, s.num_uncomputed()) for s in self.running]
+        plan = [PlanEntry(s, s.num_uncomputed()) for s in self.running]
+        return sorted(plan, key=lambda e: e.num_tokens > 1)  # one-token entries first: they attend together
 
     def make_batch(self, plan, samplers):
         return ContiguousBatch(plan, samplers, self.device)

@@ -6,9 +6,7 @@ from types import SimpleNamespace
 
 import torch
 
-from ext import prepare
-from ext.hf import export_hf
-from harness.checkpoints import get_tokenizer, load_checkpoint
+from harness.checkpoints import export_hf, get_tokenizer, load_checkpoint
 from harness.flags import fail
 from harness.metrics import LABELS, agreement, outputs, returned, speculation, sweep_table, table
 from harness.plots import PoolMap, plot, plot_block_sizes, plot_preemption
@@ -24,6 +22,7 @@ from harness.serving import (
     warm_up,
     workload,
 )
+from harness.tuning import prepare
 from sequence import Request, RequestStatus
 
 

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import torch
 
-from ext import ServingEngine
+from ext import engine_class
 from harness.checkpoints import shakespeare
 from harness.contiguous import ContiguousEngine
 from harness.metrics import Meter, metrics
@@ -88,18 +88,28 @@ def make_engine(model, kind, args, prompts, news, vocab_size):
         print(f"on CUDA: max_batch {sizes['max_batch']}, token budget {sizes['token_budget']}, {sizes['num_blocks']:,} "
               "blocks (by default: 256, 4,096, at most 90% of free memory)", flush=True)  # fmt: skip
     start = time.time()
-    engine = ServingEngine(
+    # exactly the extensions the flags ask for: a plain run is the bare PagedEngine
+    cls = engine_class(
+        forks=width > 1,
+        swap=args.swap_blocks > 0,  # parse_args: none unless --preemption swap
+        speculative=args.num_speculative_tokens != 0,
+        compile=args.compile,
+    )
+    extras = {}
+    if args.swap_blocks:
+        extras.update(swap_blocks=args.swap_blocks)
+    if args.num_speculative_tokens:
+        extras.update(num_speculative_tokens=args.num_speculative_tokens, prompt_lookup_max=args.prompt_lookup_max or 3)
+    engine = cls(
         model,
         block_size=args.block_size,
         **sizes,
         prefix_cache=kind == "paged_prefix",
         compile=args.compile,
-        swap_blocks=args.swap_blocks,  # parse_args: none unless --preemption swap
-        num_speculative_tokens=args.num_speculative_tokens,
-        prompt_lookup_max=args.prompt_lookup_max or 3,
         vocab_size=vocab_size,
+        **extras,
     )
-    if engine.graphs:
+    if getattr(engine, "graphs", None):
         shapes = f"batches {engine.graph_batches[0]}-{engine.graph_batches[-1]}"  # ext/cuda.py
         print(f"captured {len(engine.graphs)} CUDA graphs of decode steps ({shapes}) in {time.time() - start:.1f} s")
     return engine
@@ -240,7 +250,7 @@ def time_preemption(model, enc, args, block_size, repeats=3):
     times = dict(swap_out_ms=[], swap_in_ms=[], recompute_ms=[])
     for _ in range(repeats):
         for swap_blocks in (num_blocks, 0):
-            engine = ServingEngine(
+            engine = engine_class(swap=True)(
                 model,
                 num_blocks=num_blocks,
                 block_size=block_size,

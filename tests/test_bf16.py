@@ -10,9 +10,9 @@ from test_model import incremental_logits
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine import PlanEntry
-from ext.tuning import PackedLinear, prepack
 from harness import checkpoints
 from harness.checkpoints import get_tokenizer, load_checkpoint, shakespeare
+from harness.tuning import PackedLinear, prepack
 from paged import PagedBatch
 from scheduler import PagedEngine
 from sequence import SequenceStatus

@@ -176,7 +176,7 @@ def test_bad_workload_output_and_budget_flags_are_one_line_errors(ckpt, argv, me
         ),
         (
             ["--num-beams", "4", "--paged", "--num-blocks", "10", "--block-size", "4", "--max-new-tokens", "20"],
-            "needs 7 blocks of 4 for each of 4 beams, but the pool has only 10",
+            "needs 28 blocks of 4, but the pool has only 10",
         ),
     ],
 )

@@ -11,6 +11,7 @@ from conftest import run_engine
 from ext import ServingEngine
 from ext.cuda import GraphBatch
 from paged import blocks_for
+from scheduler import PagedEngine
 from sequence import Request, SamplingParams
 
 
@@ -108,7 +109,8 @@ def test_a_capture_batch_with_no_plan_is_all_padding_and_runs_the_forward(model)
         assert batch.idx is inputs.idx and batch.one_token_table is inputs.one_token_table
         assert batch.slots.tolist() == [padding * engine.block_size] * b and batch.one_token_len.tolist() == [1] * b
         assert (batch.one_token_table == padding).all() and batch.idx.tolist() == [0] * b
-        with torch.no_grad():  # as capture_graphs runs it
-            logits = engine.forward(batch)
+        with torch.no_grad():  # as capture_graphs runs it: every padded row's logits
+            logits = PagedEngine.forward(engine, batch)
+            assert engine.forward(batch).shape == (0, model.config.vocab_size), "padding's logits were returned"
         assert logits.shape == (b, model.config.vocab_size) and torch.isfinite(logits).all()
     assert engine.kv_pool[:, :, :padding].abs().sum() == 0, "a padding row wrote outside the padding block"

@@ -238,7 +238,7 @@ def test_random_forks_writes_preemptions_and_frees_keep_every_invariant(model, d
         (dict(num_beams=2, n=2), "beam search is greedy"),
         (dict(num_beams=2, eos=0), "beam search is greedy and runs max_new_tokens: no n, temperature, top_k or eos"),
         (dict(n=9), "9 sequences of one request exceed the 8 that run at once"),
-        (dict(num_beams=4), "needs 3 blocks of 4 for each of 4 beams, but the pool has only 10"),
+        (dict(num_beams=4), "needs 12 blocks of 4, but the pool has only 10"),
     ],
 )
 def test_bad_fork_requests_are_refused_in_one_line(model, kwargs, message):

@@ -8,8 +8,7 @@ from conftest import run_engine, tiny_gpt
 from test_model import save_nanogpt_ckpt
 
 import generate
-from ext.hf import export_hf
-from harness.checkpoints import load_checkpoint
+from harness.checkpoints import export_hf, load_checkpoint
 from scheduler import PagedEngine
 from sequence import Request
 

@@ -6,10 +6,9 @@ import torch
 from conftest import make_requests, run_engine, tiny_gpt
 
 from engine import PlanEntry, Sampler
-from ext import prepare
-from ext.tuning import PackedLinear
 from harness.checkpoints import get_tokenizer, load_checkpoint, shakespeare
 from harness.contiguous import ContiguousBatch, ContiguousEngine
+from harness.tuning import PackedLinear, prepare
 from model import GPT, GPTConfig
 from paged import PagedBatch
 from scheduler import PagedEngine

@@ -192,8 +192,8 @@ def test_prepare_turns_off_cudnn_attention_which_plans_every_new_shape_and_engin
     """On a GPU, SDPA's cuDNN backend builds a plan for each new shape, and a serving step's shapes change every
     step: bf16 ran 7x slower end to end with it on an H200 (docs/compile.md#on-a-gpu). ext.prepare, which the
     command line and example.py call, turns it off; an engine changes no process-wide setting."""
-    from ext import prepare
     from harness.contiguous import ContiguousEngine
+    from harness.tuning import prepare
 
     engines = [PagedEngine, ServingEngine, ContiguousEngine]
     sizes = [dict(num_blocks=8), dict(num_blocks=8), {}]

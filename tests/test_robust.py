@@ -97,12 +97,17 @@ def test_soak_5000_short_requests_through_a_tiny_pool_leak_nothing(model):
         (([1] * 60, 6), "60 tokens + max_new_tokens 6 = 66 exceeds the model's context of 64"),
         (([1] * 10, 0), "max_new_tokens is 0"),
         (([1] * 10, 30), "needs 10 blocks of 4, but the pool has only 8"),
-        (([1], 5, -1.0), "temperature -1.0 must be a finite number >= 0"),
-        (([1], 5, float("nan")), "temperature nan must be a finite number >= 0"),
-        (([1], 5, 1.0, 0), "top_k 0 >= 1"),
+        (([1], 5, dict(temperature=-1.0)), "temperature -1.0 must be a finite number >= 0"),
+        (([1], 5, dict(temperature=float("nan"))), "temperature nan must be a finite number >= 0"),
+        (([1], 5, dict(temperature=1.0, top_k=0)), "top_k 0 >= 1"),
+        (([1], 5, dict(temperature=1.0, top_p=0)), "top_p 0 must be in (0, 1]"),
+        (([1], 5, dict(temperature=1.0, top_p=1.5)), "top_p 1.5 must be in (0, 1]"),
+        (([1], 5, dict(temperature=1.0, top_p=float("nan"))), "top_p nan must be in (0, 1]"),
+        (([1], 5, dict(temperature=1.0, min_p=-0.1)), "min_p -0.1 in [0, 1]"),
+        (([1], 5, dict(temperature=1.0, min_p=2)), "min_p 2 in [0, 1]"),
         # the core runs one sequence a request: samples and beams are the forks extension's
-        (([1], 5, 0.8, None, 0, 2), "n 2, num_beams 1: needs the forks extension, ext/forks.py"),
-        (([1], 5, 0.0, None, 0, 1, 3), "n 1, num_beams 3: needs the forks extension, ext/forks.py"),
+        (([1], 5, dict(temperature=0.8, n=2)), "n 2, num_beams 1: needs the forks extension, ext/forks.py"),
+        (([1], 5, dict(num_beams=3)), "n 1, num_beams 3: needs the forks extension, ext/forks.py"),
     ],
 )
 def test_requests_that_can_never_run_are_refused_and_others_go_on(model, request_args, message):
@@ -111,7 +116,7 @@ def test_requests_that_can_never_run_are_refused_and_others_go_on(model, request
     engine.add(fine)
     with pytest.raises(ValueError, match=re.escape(message)):
         prompt, max_new_tokens, *settings = request_args
-        engine.add(Request(prompt, max_new_tokens, SamplingParams(*settings)))
+        engine.add(Request(prompt, max_new_tokens, SamplingParams(**(settings or [{}])[0])))
     run_engine(engine, [])
     assert fine.status is RequestStatus.DONE and len(fine.generated) == 4 and engine.allocator.num_free() == 8
 
@@ -194,7 +199,8 @@ def test_admission_leaves_the_watermark_and_each_forks_copy_free(model):
     engine.allocator.allocate(engine.allocator.num_free() - 10)  # 10 blocks left free
 
     def admits(num_tokens, n=1):
-        return engine.can_admit(Request([1] * num_tokens, 1, SamplingParams(temperature=1.0, n=n)).sequences[0], [])
+        s = Request([1] * num_tokens, 1, SamplingParams(temperature=1.0, n=n)).sequences[0]
+        return engine.can_admit([s], [[]])
 
     assert admits(32) and not admits(36)  # 8 blocks + 2 fit in 10; 9 + 2 do not
     assert admits(30) and not admits(30, n=3)  # 8 blocks, and 2 copies of the last, partly filled

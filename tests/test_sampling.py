@@ -25,25 +25,34 @@ def test_seeded_sample_is_the_same_alone_and_in_a_batch(model, temperature, top_
     assert together != baseline(model, prompts, news)  # sampling really sampled: not the greedy output
 
 
+def rows(temperature, top_k, seed, top_p=1.0, min_p=0.0):
+    """sample()'s settings (R, 5) from each setting's (R,) values, or one value for every row."""
+    columns = torch.broadcast_tensors(
+        *(torch.atleast_1d(torch.as_tensor(x, dtype=torch.float64)) for x in (temperature, top_k, top_p, min_p, seed))
+    )
+    return torch.stack(columns, 1)
+
+
 def test_sampler_draws_each_token_with_its_softmax_probability_and_top_k_cuts_the_tail():
     n = 20000
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]]).expand(n, 5).contiguous()
     position, seed, ones = torch.arange(n), torch.full((n,), 7), torch.ones(n)
     for temperature, top_k in [(1.0, 0), (0.5, 0), (1.0, 3)]:
         want = (logits[0, : top_k or 5] / temperature).softmax(-1)
-        got = sample(logits, ones * temperature, torch.full((n,), top_k), seed, position, top_k, top_k == 0)
+        got = sample(logits, rows(ones * temperature, top_k, seed), position, top_k, top_k == 0)
         freq = torch.bincount(got, minlength=5).double() / n
         assert torch.all(freq[len(want) :] == 0) and torch.allclose(freq[: len(want)], want.double(), atol=0.012), (
             freq,
             want,
         )
-    alone = sample(logits, ones, torch.zeros(n, dtype=torch.long), seed, position)
-    assert torch.equal(alone, sample(logits, ones, torch.zeros(n, dtype=torch.long), seed, position))  # a pure function
-    assert not torch.equal(alone, sample(logits, ones, torch.zeros(n, dtype=torch.long), seed + 1, position))
+    alone = sample(logits, rows(ones, 0, seed), position)
+    assert torch.equal(alone, sample(logits, rows(ones, 0, seed), position))  # a pure function
+    assert not torch.equal(alone, sample(logits, rows(ones, 0, seed + 1), position))
     # rows that keep every id, rows that cut, and greedy rows in one batch: each draws as it does alone
     mixed_k, mixed_t = torch.tensor([0, 3, 0] * (n // 3)), torch.tensor([1.0, 1.0, 0.0] * (n // 3))
-    cut = sample(logits, ones, torch.full((n,), 3), seed, position, 3, False)
-    mixed = sample(logits[: len(mixed_k)], mixed_t, mixed_k, seed[: len(mixed_k)], position[: len(mixed_k)], 3, True)
+    cut = sample(logits, rows(ones, 3, seed), position, 3, False)
+    m = len(mixed_k)
+    mixed = sample(logits[:m], rows(mixed_t, mixed_k, seed[:m]), position[:m], 3, True)
     assert torch.equal(mixed[0::3], alone[0 : len(mixed_k) : 3]) and torch.equal(mixed[1::3], cut[1 : len(mixed_k) : 3])
     assert torch.all(mixed[2::3] == 0)
     u = uniform(
@@ -66,11 +75,9 @@ def recomputed_samples(model, prompt, max_new_tokens, temperature, top_k, seed, 
             logits[:, vocab_size:] = float("-inf")
             token = sample(
                 logits,
-                temperature=torch.tensor([temperature]),
-                top_k=torch.tensor([k]),
-                seed=torch.tensor([seed]),
+                rows(temperature, k, seed),
                 position=torch.tensor([len(tokens)]),  # the drawn token's own position
-                max_top_k=k if sampled else 0,
+                num_best=k if sampled else 0,
                 uncut=sampled and not k,
             )
             tokens.append(int(token))

@@ -187,7 +187,7 @@ def test_auto_leaves_the_budget_to_prompts_waiting_to_prefill(model):
     def recorded():
         plan = schedule_decodes()
         waiting = any(s.status is SequenceStatus.PREFILLING for s in engine.running) or engine.waiting
-        steps.append((bool(waiting), bool(engine.proposals)))
+        steps.append((bool(waiting), bool(engine.proposing)))
         return plan
 
     engine.schedule_decodes = recorded
@@ -201,7 +201,7 @@ def test_auto_leaves_the_budget_to_prompts_waiting_to_prefill(model):
 @given(w=workloads(), k=st.sampled_from([1, 2, 4, "auto"]))
 def test_random_workloads_with_speculation_keep_invariants_and_match_the_baseline(model, w, k):
     engine = run_random_workload(model, w, ServingEngine, num_speculative_tokens=k)
-    assert engine.allocator.num_free() == w["num_blocks"] and not engine.proposals
+    assert engine.allocator.num_free() == w["num_blocks"] and not engine.proposing
 
 
 @pytest.mark.parametrize(

@@ -40,9 +40,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bench.archive.compile_step import fmt
 from bench.vllm_compare import WORKLOADS, cpu_line, export, parse, prompts_for
 from ext import ServingEngine
-from ext.tuning import prepack
 from harness.checkpoints import load_checkpoint
 from harness.observer import Observer
+from harness.tuning import prepack
 from paged import blocks_for
 from sequence import Request
 

@@ -27,8 +27,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import batch
 from bench.vllm_compare import WORKLOADS, export, prompts_for
 from ext import ServingEngine
-from ext.tuning import prepack
 from harness.checkpoints import load_checkpoint
+from harness.tuning import prepack
 from paged import blocks_for
 from sequence import Request
 
