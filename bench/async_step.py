@@ -12,12 +12,27 @@ How a token that is not on the host yet is used:
 A step falls back to the engine's own order (tokens on the host before the bookkeeping) when a beam group is
 live, as beams need their log-probabilities on the host, and waits for the pending tokens first when the pool
 could run short, as preempting a sequence whose token is in flight is not handled.
+
+    python bench/async_step.py [--num-requests 32] [--device cpu|cuda] [--compile off]
+
+run on its own, serves the same requests (the shipped model, random prompts, greedy and sampled) on the engine
+and on the candidate, and prints each one's tok/s and whether their tokens are the same; bench/gpu.py runs it
+end to end on a GPU. It subclasses ext.ServingEngine, every extension in, as the tests' engine does.
 """
+
+import argparse
+import os
+import random
+import sys
+import time
 
 import torch
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from ext import ServingEngine
-from sequence import SequenceStatus
+from harness.checkpoints import SHIPPED, load_checkpoint
+from paged import blocks_for
+from sequence import Request, SamplingParams, SequenceStatus
 
 
 class AsyncPagedEngine(ServingEngine):
@@ -44,7 +59,6 @@ class AsyncPagedEngine(ServingEngine):
         plan = self.schedule()
         if not plan:
             raise RuntimeError(f"no progress: {len(self.waiting)} waiting, {len(self.running)} running")
-        plan.sort(key=lambda e: e.num_tokens > 1)
         self.notify("planned", plan)
         samplers = self.samplers(plan)
         launched = self.launch(plan, samplers)
@@ -72,7 +86,7 @@ class AsyncPagedEngine(ServingEngine):
         if self.pending:  # placeholders -> the pending step's tokens, on the device
             last = self.pending[1]
             batch.idx.copy_(torch.where(batch.idx < 0, last[(-1 - batch.idx).clamp(min=0)], batch.idx))
-        logits = self.forward(batch)[: len(samplers)]
+        logits = self.forward(batch)  # (S, V)
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         logits[:, self.vocab_size :] = float("-inf")
         tokens = self.sample(logits, batch, samplers)
@@ -107,3 +121,39 @@ class AsyncPagedEngine(ServingEngine):
             # after this, in the step that set its last placeholder, so every done sequence's tokens are here
             if r.done_at is None and all(x.status is SequenceStatus.DONE for x in r.sequences):
                 self.finish(r, now)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--compile", default="off", help="both engines' compile mode (graph: CUDA graphs)")
+    args = p.parse_args()
+    model = load_checkpoint(SHIPPED, args.device)
+    rng = random.Random(1)
+    vocab = model.config.vocab_size
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(16, 128))] for _ in range(args.num_requests)]
+    news = [rng.randint(16, 64) for _ in prompts]
+    num_blocks = sum(blocks_for(len(p) + n, 16) for p, n in zip(prompts, news))
+    print(f"$ python bench/async_step.py --num-requests {args.num_requests} --device {args.device} "
+          f"--compile {args.compile}\ntorch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"{time.strftime('%Y-%m-%d')}; the shipped model, prompts of 16-128 random ids, 16-64 new, "
+          "every other request sampled (0.8, top-k 200)")  # fmt: skip
+    outputs = {}
+    for cls in (ServingEngine, AsyncPagedEngine):
+        requests = [
+            Request(p, n, SamplingParams(temperature=0.8 * (i % 2), top_k=200, seed=i))
+            for i, (p, n) in enumerate(zip(prompts, news))
+        ]
+        engine = cls(model, num_blocks=num_blocks, compile=args.compile)
+        start = time.perf_counter()
+        engine.run(requests)
+        seconds = time.perf_counter() - start
+        outputs[cls] = [r.generated for r in requests]
+        print(f"{cls.__name__:<16} {sum(news) / seconds:>9,.0f} tok/s")
+    same = sum(a == b for a, b in zip(outputs[ServingEngine], outputs[AsyncPagedEngine]))
+    print(f"the same tokens in {same} of {len(prompts)} requests")
+
+
+if __name__ == "__main__":
+    main()

@@ -11,7 +11,9 @@ near tie, after which the text is still Shakespeare-like but different: token eq
 for bf16, and its agreement with float32 beside another engine's is the useful figure. Held-out loss:
 the first 255 tokens of every whole 256-token window of the held-out plays, each token after the first
 predicted from those before it; logits in the model's dtype, the loss in float32; vLLM's from its prompt
-log-probabilities on the same windows.
+log-probabilities on the same windows. Ours is the engine `generate.py --paged --dtype bfloat16` builds: the
+bare PagedEngine, its model through harness/tuning.py's prepare. --num-prompts N with a small N (prompts and
+windows both) is a check that the script runs, not a measurement.
 """
 
 import argparse
@@ -31,23 +33,24 @@ FOLDER = os.path.join(ROOT, "out", "bf16_quality", "hf")  # the shipped model ex
 JOB = os.path.join(ROOT, "out", "bf16_quality", "job.json")
 
 
-def data():
-    """The prompts and the held-out windows, as token ids; the model exported once for vLLM."""
+def data(num_prompts, export):
+    """num_prompts prompts and the held-out windows (as many, if fewer than all), as token ids; with `export`, the
+    model exported once for vLLM."""
     from harness.checkpoints import SHIPPED, export_hf, get_tokenizer, load_checkpoint, shakespeare
 
     model = load_checkpoint(SHIPPED)
     val = get_tokenizer(model.config.vocab_size).encode_ordinary(shakespeare()[1])
     rng = random.Random(0)
     prompts = []
-    for _ in range(NUM_PROMPTS):
+    for _ in range(num_prompts):
         length = rng.randint(16, 64)
         start = rng.randrange(len(val) - length)
         prompts.append(val[start : start + length])
     T = model.config.block_size
     # vLLM must generate a token after the window, within the model's 256 positions: windows of 255 tokens
-    windows = [val[i * T : (i + 1) * T - 1] for i in range(len(val) // T)]
+    windows = [val[i * T : (i + 1) * T - 1] for i in range(min(len(val) // T, num_prompts))]
     os.makedirs(os.path.dirname(FOLDER), exist_ok=True)
-    if not os.path.exists(os.path.join(FOLDER, "model.safetensors")):
+    if export and not os.path.exists(os.path.join(FOLDER, "model.safetensors")):
         export_hf(model, FOLDER)
     return prompts, windows
 
@@ -56,14 +59,14 @@ def run_ours(dtype, prompts, windows):
     import torch
     import torch.nn.functional as F
 
-    from ext import ServingEngine
     from harness.checkpoints import SHIPPED, load_checkpoint
     from harness.tuning import prepare
+    from scheduler import PagedEngine
     from sequence import Request
 
     model = load_checkpoint(SHIPPED).to(getattr(torch, dtype))
     prepare(model)
-    engine = ServingEngine(model, num_blocks=64 * 13, vocab_size=model.config.vocab_size)
+    engine = PagedEngine(model, num_blocks=len(prompts) * 13)  # 64 + 128 tokens: at most 13 blocks of 16
     requests = [Request(p, NEW_TOKENS) for p in prompts]
     engine.run(requests)
     total = count = 0
@@ -116,6 +119,7 @@ def launch(python, engine, dtype):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--vllm-python", help="the python of vLLM's own virtualenv; without it, ours only")
+    p.add_argument("--num-prompts", type=int, default=NUM_PROMPTS, help="and held-out windows, at most all")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--dtype", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -125,28 +129,30 @@ def main():
         result = (run_ours if args.worker == "ours" else run_vllm)(args.dtype, job["prompts"], job["windows"])
         print("RESULT " + json.dumps(result), flush=True)
         return
-    prompts, windows = data()
+    prompts, windows = data(args.num_prompts, export=bool(args.vllm_python))
     with open(JOB, "w") as f:
         json.dump(dict(prompts=prompts, windows=windows), f)
     engines = {"ours": sys.executable} | ({"vllm": args.vllm_python} if args.vllm_python else {})
     results = {(e, d): launch(python, e, d) for e, python in engines.items() for d in ("float32", "bfloat16")}
-    print(f"$ python bench/bf16_quality.py{' --vllm-python VLLM_PYTHON' if args.vllm_python else ''}")
+    vllm = " --vllm-python VLLM_PYTHON" if args.vllm_python else ""
+    print(f"$ python bench/bf16_quality.py{vllm} --num-prompts {args.num_prompts}")
     ours = results["ours", "float32"]
     print(f"{cpu_line()}; {time.strftime('%Y-%m-%d')}; ours: torch {ours['version']}, {ours['threads']} threads")
-    print(f"the shipped model, {NUM_PROMPTS} held-out prompts of 16-64 tokens, {NEW_TOKENS} greedy tokens each")
+    print(f"the shipped model, {len(prompts)} held-out prompts of 16-64 tokens, {NEW_TOKENS} greedy tokens each")
     for e in engines:
         share, same = agreement(results[e, "bfloat16"]["outputs"], results[e, "float32"]["outputs"])
         losses = ", ".join(f"{d} {results[e, d]['loss']:.4f}" for d in ("float32", "bfloat16"))
         print(
             f"  {e:<5} bf16 against its float32: {100 * share:.1f}% of each output identical before the first "
-            f"difference (mean), {same}/{NUM_PROMPTS} identical throughout; held-out loss over "
+            f"difference (mean), {same}/{len(prompts)} identical throughout; held-out loss over "
             f"{results[e, 'float32']['windows']} windows: {losses}"
         )
     if "vllm" in engines:
         for d in ("float32", "bfloat16"):
             share, same = agreement(results["ours", d]["outputs"], results["vllm", d]["outputs"])
             print(
-                f"  ours against vllm, both {d}: {same}/{NUM_PROMPTS} identical, {100 * share:.1f}% before a difference"
+                f"  ours against vllm, both {d}: {same}/{len(prompts)} identical, "
+                f"{100 * share:.1f}% before a difference"
             )
 
 

@@ -19,11 +19,11 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from ext import ServingEngine
 from harness.checkpoints import get_tokenizer
 from harness.serving import warm_up, workload
 from harness.tuning import prepare
 from model import GPT, GPTConfig
+from scheduler import PagedEngine
 from sequence import Request
 
 ROWS = {  # name: (n_layer, n_embd, requests, prompt tokens, new tokens)
@@ -56,7 +56,7 @@ def main():
         prompts, news = workload(enc, spec)
         num_blocks = sum(-(-(len(p) + n - 1) // 16) for p, n in zip(prompts, news))
         engines = {
-            mode: ServingEngine(model, num_blocks=num_blocks, max_batch=64, vocab_size=50257, compile=mode)
+            mode: PagedEngine(model, num_blocks=num_blocks, max_batch=64, vocab_size=50257, compile=mode)
             for mode in ("off", "on")
         }
         start = time.time()
@@ -67,7 +67,7 @@ def main():
         speeds, outputs = {"off": [], "on": []}, {}
         for _ in range(args.repeats):
             for mode in ("off", "on"):
-                engine = ServingEngine(model, num_blocks=num_blocks, max_batch=64, vocab_size=50257, compile=mode)
+                engine = PagedEngine(model, num_blocks=num_blocks, max_batch=64, vocab_size=50257, compile=mode)
                 requests = [Request(p, n) for p, n in zip(prompts, news)]
                 start = time.perf_counter()
                 engine.run(requests)

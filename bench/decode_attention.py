@@ -15,11 +15,12 @@ batch of one-token rows, each over its own context in a pool of 16-token blocks,
              and a mask as wide as the pool (it refuses one narrower than the keys).
 
 Each context is run twice: every row at the same length (decode: all sequences started together), and rows
-spread evenly from --shortest (a share, half by default) of the length to the whole (mixed: the batch's
-table is as wide as its longest row, so shorter rows carry padding blocks). Bytes are each row's K and V over the keys it needs, once (the query and
-the output are noise beside them); GB/s is those bytes over the median call (of --rounds rounds of 20
-calls); the share is that against the read bandwidth of a float32 sum over 256 MB at the same thread count
-(bench/vllm_compare.py's read_bandwidth). Outputs are compared with the compiled path's before timing.
+spread evenly from --shortest (a share, half by default) of the length to the whole (mixed: the batch's table
+is as wide as its longest row, so shorter rows carry padding blocks). Bytes are each row's K and V over the
+keys it needs, once (the query and the output are noise beside them); GB/s is those bytes over the median call
+(of --rounds rounds of 20 calls); the share is that against the read bandwidth of a float32 sum over 256 MB at
+the same thread count (bench/vllm_compare.py's read_bandwidth). Outputs are compared with the compiled path's
+before timing.
 """
 
 import argparse
@@ -199,7 +200,8 @@ def main():
                 seconds = median_call(fn, args_in, args.rounds)
                 rate = needed / seconds / 1e9
                 print(
-                    f"  {name:<9} {seconds * 1e3:7.3f} ms  {rate:6.1f} GB/s  {100 * rate / bandwidth:4.0f}% of the read bandwidth"
+                    f"  {name:<9} {seconds * 1e3:7.3f} ms  {rate:6.1f} GB/s  "
+                    f"{100 * rate / bandwidth:4.0f}% of the read bandwidth"
                 )
 
 

@@ -1,7 +1,7 @@
 """How close the paged engine runs to the machine's floor on the README's mixed workload, and what its
 step costs on the host before the forward starts.
 
-    python bench/floor.py [--repeats 3] [--vocab-size 50304]
+    python bench/floor.py [--repeats 3] [--vocab-size 50304] [--num-requests 128]
 
 The floor replays the engine's own steps (the same tokens per request, the same logit rows) through the
 same model, with attention over K/V that are already gathered: each step's decode rows get (S, L, H, D)
@@ -15,6 +15,10 @@ GPT-2's, padded as nanoGPT does), where the lm_head and sampling weigh far more.
 Host time: from a step's start (scheduling) to its forward's first op, per decode-only step, on two
 workloads of 64 requests that hold few and many blocks; it should follow the requests, not the blocks.
 Sampling: the sampled workload's time in sample() against the greedy argmax, per step.
+
+The engine is the one `generate.py --paged` builds for these requests: the bare PagedEngine (scheduler.py).
+--num-requests N shrinks every workload to N requests (the host and sampling ones to at most 64): with
+--repeats 1 and a small N, a check that the script runs, whose figures mean nothing.
 """
 
 import argparse
@@ -22,19 +26,19 @@ import os
 import statistics
 import sys
 import time
-from types import SimpleNamespace
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import engine as engine_py
-from batch import Staging, StepBatch
+from batch import StepBatch
 from engine import PlanEntry, Sampler
-from ext import ServingEngine
 from harness.checkpoints import get_tokenizer, load_checkpoint
 from harness.serving import workload
 from harness.tuning import prepare
 from model import GPT, GPTConfig, attend
+from paged import blocks_for
+from scheduler import PagedEngine
 from sequence import Request, SamplingParams
 
 
@@ -42,21 +46,21 @@ class FloorBatch(StepBatch):
     """A step whose earlier K/V already sit gathered in dense tensors: nothing is written or read back."""
 
     def __init__(self, starts, lens, entries, config):
-        plan = [
-            PlanEntry(SimpleNamespace(tokens=[0] * (a + n), num_computed=a, row=0), n) for a, n in zip(starts, lens)
-        ]
-        super().__init__(plan, [Sampler(plan[i].sequence, i) for i in entries], Staging(torch.device("cpu"), 1 << 20))
+        plan = []
+        for a, n in zip(starts, lens):  # a stand-in sequence: a + n tokens, a of them cached
+            s = Request([0] * (a + n), 1).sequences[0]
+            s.num_computed, s.row = a, 0
+            plan.append(PlanEntry(s, n))
+        super().__init__(plan, [Sampler(plan[i].sequence, i) for i in entries], torch.device("cpu"))
         H, D, S = config.n_head, config.n_embd // config.n_head, self.num_one_token
         L = int(self.kv_lens[:S].max()) if S else 0
+        self.decode_pos = self.kv_lens[:S, None] - 1  # (S, 1): each one-token entry's position
         self.single = [(torch.randn(S, L, H, D), torch.randn(S, L, H, D)) for _ in range(config.n_layer)]
         self.cached = {
             i: [(torch.randn(1, end, H, D), torch.randn(1, end, H, D)) for _ in range(config.n_layer)]
             for i, end in enumerate(self.kv_lens.tolist())
             if i >= S and starts[i] > 0
         }
-
-    def host_tensors(self, plan, samplers):
-        return dict(super().host_tensors(plan, samplers), decode_pos=self.kv_lens[: self.num_one_token, None] - 1)
 
     def store(self, layer, k, v):
         pass
@@ -104,7 +108,7 @@ def run_engine(model, prompts, news, steps=None, temperature=0.8, probe=False):
         Request(p, n, SamplingParams(temperature=temperature, top_k=200, seed=1337 + i))
         for i, (p, n) in enumerate(zip(prompts, news))
     ]
-    engine = ServingEngine(model, num_blocks=sum(-(-(len(p) + n - 1) // 16) for p, n in zip(prompts, news)))
+    engine = PagedEngine(model, num_blocks=sum(blocks_for(len(p) + n - 1, 16) for p, n in zip(prompts, news)))
     make_batch = engine.make_batch
 
     def record(plan, samplers):
@@ -146,7 +150,9 @@ def main():
         default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "models", "tiny-shakespeare.pt"),
     )
     p.add_argument("--vocab-size", type=int, help="random weights of the checkpoint's shape with this vocabulary")
+    p.add_argument("--num-requests", type=int, default=128, help="the floor's requests (host and sampling: <= 64)")
     args = p.parse_args()
+    n, m = args.num_requests, min(args.num_requests, 64)
     model = load_checkpoint(args.ckpt)
     if args.vocab_size:
         torch.manual_seed(0)
@@ -154,7 +160,7 @@ def main():
     prepare(model)  # as generate.py loads a model: engine and floor run the same linears
     c = model.config
     enc = get_tokenizer(c.vocab_size)
-    wl = argparse.Namespace(seed=1, prompt_len=(8, 192), new_tokens=(8, 64), shared_prefix=0, num_requests=128)
+    wl = argparse.Namespace(seed=1, prompt_len=(8, 192), new_tokens=(8, 64), shared_prefix=0, num_requests=n)
     prompts, news = workload(enc, wl)
     steps = []
     run_engine(model, prompts, news, steps)  # warm-up, and the steps to replay
@@ -163,7 +169,7 @@ def main():
         f"{c.n_layer} x {c.n_embd}, vocabulary {c.vocab_size:,}{' (random weights)' if args.vocab_size else ''}"
     )
     print(
-        f"-- engine against its floor: {len(steps)} steps, README mixed workload (128 requests, prompts 8-192, "
+        f"-- engine against its floor: {len(steps)} steps, README mixed workload ({n} requests, prompts 8-192, "
         f"8-64 new, seed 1, temperature 0.8, top-k 200)"
     )
     engine_s, floor_s = [], []
@@ -174,28 +180,28 @@ def main():
     for name, xs, unit in [("engine", engine_s, "s"), ("floor", floor_s, "s"), ("engine / floor", ratios, "x")]:
         print(summary(name, xs, unit))
 
-    print("-- host time per decode-only step, step start to the forward's first op (64 requests, 32 new each)")
+    print(f"-- host time per decode-only step, step start to the forward's first op ({m} requests, 32 new each)")
     few, many = [(16, 16), (190, 190)], {}
     for lo, hi in few:
-        wl = argparse.Namespace(seed=2, prompt_len=(lo, hi), new_tokens=(32, 32), shared_prefix=0, num_requests=64)
+        wl = argparse.Namespace(seed=2, prompt_len=(lo, hi), new_tokens=(32, 32), shared_prefix=0, num_requests=m)
         many[lo] = workload(enc, wl)
     host = {lo: [] for lo in many}
     for _ in range(args.repeats):
         for lo, (ps, ns) in many.items():
             host[lo].append(statistics.median(run_engine(model, ps, ns, probe=True)[1].host))
     for lo, xs in host.items():
-        blocks = 64 * -(-(lo + 32) // 16)
+        blocks = m * blocks_for(lo + 32, 16)
         print(summary(f"prompts of {lo}, ~{blocks:,} blocks held", xs, " ms", 1000))
 
-    print("-- sampling against greedy: 64 prompts of 16 tokens, 128 new, max_batch 64")
-    wl = argparse.Namespace(seed=3, prompt_len=(16, 16), new_tokens=(128, 128), shared_prefix=0, num_requests=64)
+    print(f"-- sampling against greedy: {m} prompts of 16 tokens, 128 new, max_batch 64")
+    wl = argparse.Namespace(seed=3, prompt_len=(16, 16), new_tokens=(128, 128), shared_prefix=0, num_requests=m)
     ps, ns = workload(enc, wl)
     greedy, sampled, ratio, sample_ms, argmax_ms = [], [], [], [], []
     for _ in range(args.repeats):
         g, g_probe = run_engine(model, ps, ns, temperature=0.0, probe=True)
         s, s_probe = run_engine(model, ps, ns, temperature=0.8, probe=True)
-        greedy.append(64 * 128 / g)
-        sampled.append(64 * 128 / s)
+        greedy.append(m * 128 / g)
+        sampled.append(m * 128 / s)
         ratio.append(g / s)
         sample_ms.append(statistics.median(s_probe.sampling))
         argmax_ms.append(statistics.median(g_probe.sampling))

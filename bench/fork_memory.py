@@ -1,7 +1,7 @@
 """The vLLM paper's sharing experiment (its Sec. 6.3, Fig. 15), on our engine: KV blocks in use with forks
 that share blocks, against each sequence holding private copies, for n samples and k beams per request.
 
-    python bench/fork_memory.py [--ckpt out/ckpt.pt] [--num-requests 32] [--plot docs/fork_memory.png]
+    python bench/fork_memory.py [--ckpt out/ckpt.pt] [--num-requests 32] [--plot docs/runs/fork_memory.png]
                                 [--prompt-len 16:128] [--new-tokens 16:128]
 
 The workload is generate.py's default one, not one picked for sharing: prompts of 16-128 tokens cut from
@@ -12,7 +12,8 @@ everything (no preemption) and no prefix cache, so the only sharing is the forks
            their block-table lengths), i.e. forks that copy instead of share
 Savings = 1 - shared / private, over the whole run (blocks x steps, the paper's average) and at the peak.
 Output tok/s counts every sample, and each request's best beam; for n samples it is shown against n
-separate requests per prompt (each with its own prefill and blocks, what --num-samples did before forks).
+separate requests per prompt (each with its own prefill and blocks). The engine is the one `generate.py
+--paged --num-samples n` builds: PagedEngine with the forks extension, ext/forks.py.
 """
 
 import argparse
@@ -24,7 +25,7 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from ext import ServingEngine
+from ext import engine_class
 from harness.checkpoints import get_tokenizer, load_checkpoint
 from harness.flags import check_image_name, fail, number_type, prepare_output, span
 from harness.metrics import Meter
@@ -36,7 +37,7 @@ from sequence import Request, SamplingParams
 def run(model, requests, vocab_size, width):
     """Step the engine by hand -> (seconds, per-step blocks held, per-step blocks if nothing were shared)."""
     num_blocks = sum(-(-(len(r.prompt) + r.max_new_tokens - 1) // 16) for r in requests) * width
-    engine = ServingEngine(
+    engine = engine_class(forks=True)(
         model,
         num_blocks=num_blocks,
         max_batch=len(requests) * width,

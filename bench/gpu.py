@@ -12,6 +12,9 @@ for each batch bucket, and must not follow HF's compile in one process (an illeg
 
 Writes its tables to --out as it goes (a run cut short keeps what it measured). Needs transformers for e2e and
 hf_equal. The tests section runs the suite's CUDA tests first: python -m pytest -q tests -k cuda
+
+Ours is ext.ServingEngine with compile="graph", as the candidates subclass it: `generate.py --compile graph`
+builds PagedEngine with the CUDA extension alone (ext.engine_class), the same tokens with the other extensions idle.
 """
 
 import argparse
@@ -259,7 +262,8 @@ def step_table(out, bandwidth):
     )
     weights = sum(p.numel() for p in model.parameters()) * 2
     say(
-        "| B | L | shape | eager ms | graph ms | speedup | GB moved | graph TB/s | graph / memory bound | same tokens |",
+        "| B | L | shape | eager ms | graph ms | speedup | GB moved | graph TB/s | graph / memory bound "
+        "| same tokens |",
         out,
     )
     say("|---|---|---|---|---|---|---|---|---|---|", out)

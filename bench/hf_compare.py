@@ -1,7 +1,7 @@
 """--paged against Hugging Face transformers' GPT2LMHeadModel.generate on the same weights and prompts.
 
-    pip install transformers          # benchmark-only; not in requirements.txt
-    python bench/hf_compare.py [--repeats 3] [--threads N]
+    pip install transformers          # not in requirements.txt (requirements-test.txt has it)
+    python bench/hf_compare.py [--repeats 3] [--threads N] [--rows equal,mixed,samples4,beams4] [--num-prompts 64]
 
 Random GPT-2-shaped weights (4 layers, 128 wide, 4 heads, GPT-2's vocabulary padded to 50,304 as nanoGPT
 does, 512 context) are saved as a nanoGPT checkpoint, loaded by our loader and copied into transformers'
@@ -15,7 +15,8 @@ GPT-2. 64 prompts of 16-200 tokens are cut from the held-out plays (seed 1), dec
 HF and ours alternate in one process, repeated; each row is a median with min-max, the ratio per repeat.
 Both sides never emit ids 50,257-50,303 (not tokens); outputs are checked token for token (samples are
 drawn from different random streams, so they are not compared). Ours runs every sequence at once, as HF
-does (max_batch = prompts x samples or beams).
+does (max_batch = prompts x samples or beams), on the engine `generate.py --paged` builds: PagedEngine, with
+the forks extension (ext/forks.py) for samples and beams.
 """
 
 import argparse
@@ -28,7 +29,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from ext import ServingEngine
+from ext import engine_class
 from harness.checkpoints import get_tokenizer, load_checkpoint, shakespeare, to_transformers
 from harness.flags import prepare_output
 from harness.tuning import prepare
@@ -44,7 +45,7 @@ def make_models(path):
     return ours, to_transformers(ours)  # like ours, HF generates exactly the asked-for count
 
 
-def workload(seed, n=64, news=(64, 64)):
+def workload(seed, n, news=(64, 64)):
     rng = random.Random(seed)
     enc = get_tokenizer(50304)
     val = enc.encode_ordinary(shakespeare()[1])
@@ -95,7 +96,10 @@ def run_ours(model, prompts, news, n=1, num_beams=1, temperature=0.0, top_k=None
     ]
     num_blocks = sum(-(-(len(p) + m - 1) // 16) for p, m in zip(prompts, news)) * max(n, num_beams)
     prepare(model)  # on a CPU, the linears in oneDNN's layout, as generate.py loads a model
-    engine = ServingEngine(model, num_blocks=num_blocks, max_batch=64 * max(n, num_beams), vocab_size=50257)
+    width = max(n, num_beams)
+    engine = engine_class(forks=width > 1)(
+        model, num_blocks=num_blocks, max_batch=len(prompts) * width, vocab_size=50257
+    )
     start = time.perf_counter()
     engine.run(requests)
     return time.perf_counter() - start, [r.generated for r in requests]
@@ -107,6 +111,7 @@ def main():
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--ckpt", default="out/bench_gpt2_random.pt")
     p.add_argument("--rows", default="equal,mixed,samples4,beams4", help="comma-separated: " + ", ".join(SETTINGS))
+    p.add_argument("--num-prompts", type=int, default=64)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     prepare_output("--ckpt", args.ckpt)  # the folder the random weights are saved to, or one line now
@@ -120,7 +125,7 @@ def main():
     print(f"{'workload':<8} {'HF tok/s':>22} {'--paged tok/s':>22} {'paged / HF':>22}  same output")
     for name in args.rows.split(","):
         settings = SETTINGS[name]
-        prompts, counts = workload(1, news=(8, 128) if name == "mixed" else (64, 64))
+        prompts, counts = workload(1, args.num_prompts, news=(8, 128) if name == "mixed" else (64, 64))
         useful = sum(counts) * settings.get("n", 1)
         run_hf(hf, prompts[:4], counts[:4], **settings), run_ours(ours, prompts[:4], counts[:4], **settings)  # warm-up
         hf_rates, our_rates, same = [], [], "n/a" if "n" in settings else True

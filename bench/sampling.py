@@ -1,6 +1,6 @@
 """Sampled decode against greedy at batch 64 with GPT-2's vocabulary, and what sample() costs per step.
 
-    python bench/sampling.py [--repeats 3] [--shapes tiny,gpt2]
+    python bench/sampling.py [--repeats 3] [--shapes tiny,gpt2] [--num-requests 64] [--new-tokens 128]
 
 Each shape is a random-weight GPT with GPT-2's padded 50,304-id vocabulary (50,257 real ids): "tiny" is
 the shipped model's 4 layers x 128, where the lm_head and sampling are most of a decode step; "gpt2" is
@@ -10,8 +10,9 @@ sampled (temperature 0.8, top-k 200, a seed per request) alternate in one proces
 the ratio is taken per repeat. sample() is timed around the engine's own call, per step, median over the run.
 
 A third run per repeat, "sampled, two-level top-k", swaps torch.topk for an exact two-level selection
-while the engine samples (two_level_topk below): measured, not in the engine (see the README). The
-last repeat's sampled outputs of the two are compared.
+while the engine samples (two_level_topk below): measured, not in the engine
+(docs/floor_and_sampling.md). The last repeat's sampled outputs of the two are compared. With --num-requests
+below 16 (nothing compiles), --new-tokens 16 and --repeats 1, a check that the script runs: no figures.
 """
 
 import argparse
@@ -24,11 +25,12 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from ext import ServingEngine
 from harness.checkpoints import get_tokenizer
 from harness.serving import workload
 from harness.tuning import prepare
 from model import GPT, GPTConfig
+from paged import blocks_for
+from scheduler import PagedEngine
 from sequence import Request, SamplingParams
 
 SHAPES = {"tiny": (4, 4, 128), "gpt2": (12, 12, 768)}  # n_layer, n_head, n_embd
@@ -58,9 +60,8 @@ def run(model, prompts, news, temperature, two_level=False):
         Request(p, n, SamplingParams(temperature=temperature, top_k=200 if temperature else None, seed=1337 + i))
         for i, (p, n) in enumerate(zip(prompts, news))
     ]
-    engine = ServingEngine(
-        model, num_blocks=sum(-(-(len(p) + n - 1) // 16) for p, n in zip(prompts, news)), vocab_size=50257
-    )
+    num_blocks = sum(blocks_for(len(p) + n - 1, 16) for p, n in zip(prompts, news))
+    engine = PagedEngine(model, num_blocks=num_blocks, vocab_size=50257)
     sample, times = engine.sample, []
 
     def timed_sample(*args):
@@ -92,9 +93,17 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--shapes", default="tiny,gpt2")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=128)
     args = p.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {time.strftime('%Y-%m-%d')}")
-    wl = SimpleNamespace(seed=3, prompt_len=(16, 16), new_tokens=(128, 128), shared_prefix=0, num_requests=64)
+    wl = SimpleNamespace(
+        seed=3,
+        prompt_len=(16, 16),
+        new_tokens=(args.new_tokens, args.new_tokens),
+        shared_prefix=0,
+        num_requests=args.num_requests,
+    )
     prompts, news = workload(get_tokenizer(50257), wl)
     for shape in args.shapes.split(","):
         n_layer, n_head, n_embd = SHAPES[shape]
@@ -111,7 +120,10 @@ def main():
         (greedy, greedy_ms, _), (sampled, sampled_ms, outputs), (two, two_ms, two_outputs) = (
             [list(x) for x in zip(*results[n])] for n in runs
         )
-        print(f"-- {shape} ({n_layer} x {n_embd}, vocabulary 50,304): 64 prompts of 16, 128 new, batch 64")
+        print(
+            f"-- {shape} ({n_layer} x {n_embd}, vocabulary 50,304): {len(prompts)} prompts of 16, {news[0]} new, "
+            "all at once"
+        )
         print(f"greedy                        {fmt(greedy, ' tok/s')}")
         print(f"sampled (0.8, top-k 200)      {fmt(sampled, ' tok/s')}")
         print(f"sampled / greedy, per repeat  {fmt([s / g for s, g in zip(sampled, greedy)], 'x')}")

@@ -6,11 +6,16 @@ Hugging Face's generate(prompt_lookup_num_tokens=k) on the same weights against 
 ours against it.
 
     python bench/speculation.py [--repeats 3] [--batches 1,8,64] [--ks 1,2,4,8,auto] [--plot out/speculation.png]
+                                [--new-tokens 128]
     python bench/speculation.py --batches 1 --ks 4 --hf-ks "" --vllm-python .vllm/bin/python --vllm-ks 4
 
 With --vllm-python, also vLLM's ngram speculation (speculative_config method "ngram", prompt_lookup_max 3) at
 batch 1 (max_num_seqs 1) against vLLM's plain greedy decoding, each run its own process, both cores bound to it
-(VLLM_CPU_OMP_THREADS_BIND=0-1), float32, on the shipped model exported by ext/hf.py; and ours against it.
+(VLLM_CPU_OMP_THREADS_BIND=0-1), float32, on the shipped model exported by export_hf (harness/checkpoints.py);
+and ours against it.
+
+Each side is the engine `generate.py --paged` builds: PagedEngine, with the speculation extension
+(ext/speculative.py) where k is asked for and, with --compile step, the compiled small steps (ext/compiled_steps.py).
 """
 
 import argparse
@@ -25,13 +30,13 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from ext import ServingEngine
+from ext import engine_class
 from harness.checkpoints import SHIPPED, get_tokenizer, load_checkpoint, shakespeare, to_transformers
 from harness.metrics import Meter, speculation
 from harness.tuning import prepare
 from sequence import Request
 
-PROMPT_TOKENS, NEW_TOKENS = 64, 128
+PROMPT_TOKENS, NEW_TOKENS = 64, 128  # --new-tokens sets NEW_TOKENS
 
 
 def prompts(n, seed=1):
@@ -44,7 +49,9 @@ def prompts(n, seed=1):
 
 def run_ours(model, batch_prompts, batch, k, compile):
     """-> (seconds, outputs, speculation's figures)."""
-    engine = ServingEngine(model, num_blocks=2048, max_batch=batch, num_speculative_tokens=k, compile=compile)
+    speculating = dict(num_speculative_tokens=k) if k else {}
+    cls = engine_class(speculative=bool(k), compile=compile)
+    engine = cls(model, num_blocks=2048, max_batch=batch, compile=compile, **speculating)
     meter = Meter(engine)
     requests = [Request(p, NEW_TOKENS) for p in batch_prompts]
     start = time.perf_counter()
@@ -72,6 +79,7 @@ def fmt(xs):
 
 
 def main():
+    global NEW_TOKENS
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--batches", default="1,8,64")
@@ -85,8 +93,10 @@ def main():
     p.add_argument("--plot", help="draw tok/s against k, one line per batch, to this image file")
     p.add_argument("--vllm-python", help="the python of vLLM's own virtualenv: run its ngram speculation too")
     p.add_argument("--vllm-ks", default="4", help="vLLM's num_speculative_tokens to run at batch 1")
+    p.add_argument("--new-tokens", type=int, default=NEW_TOKENS, help="each request's (16 and --repeats 1: a check)")
     p.add_argument("--vllm-worker", nargs=3, help=argparse.SUPPRESS)  # folder, prompts file, k
     args = p.parse_args()
+    NEW_TOKENS = args.new_tokens
     if args.vllm_worker:
         return vllm_worker(*args.vllm_worker)
     model = prepare(load_checkpoint(SHIPPED))
@@ -94,7 +104,7 @@ def main():
         cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
     print(
         f"$ python bench/speculation.py --repeats {args.repeats} --batches {args.batches} --ks {args.ks} "
-        f"--hf-ks '{args.hf_ks}' --compile {args.compile}"
+        f"--hf-ks '{args.hf_ks}' --compile {args.compile} --new-tokens {NEW_TOKENS}"
     )
     print(f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} threads, torch {torch.__version__}, "
           f"{time.strftime('%Y-%m-%d')}; the shipped model, float32, greedy")  # fmt: skip
@@ -209,6 +219,7 @@ def vllm_worker(folder, prompts_file, k):
 
 def run_vllm(vllm_python, folder, prompts_file, k):
     cmd = [vllm_python, os.path.abspath(__file__), "--vllm-worker", folder, prompts_file, str(k)]
+    cmd += ["--new-tokens", str(NEW_TOKENS)]
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0-1")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=os.path.dirname(folder), check=False)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -252,7 +263,7 @@ def plot(curves, path):
     ax.axhline(1.0, color="black", linewidth=0.6)
     ax.set_xlabel("proposed tokens k (star at 0: auto)")
     ax.set_ylabel("tok/s, speculative / plain")
-    ax.set_title("prompt-lookup speculation, the tiny model, 64 + 128 tokens, greedy, CPU")
+    ax.set_title(f"prompt-lookup speculation, the tiny model, {PROMPT_TOKENS} + {NEW_TOKENS} tokens, greedy, CPU")
     ax.legend()
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -15,12 +15,12 @@ the held-out plays (seeded). Every request generates exactly its new tokens (ign
                            SamplingParams(n=N); every sample's tokens counted, in both
 dtype: both engines run the --dtype given, explicitly. vLLM's own default on an x86 CPU is bfloat16: it
 downcasts a float32 checkpoint unless told otherwise.
-Both engines schedule up to 4,096 tokens a step (vLLM's default for its LLM class on a CPU; ours' own
-default, 512, is what generate.py's experiments run). Each run is its own process: it loads the model, warms up on *other* prompts of the same lengths
-(vLLM's prefix cache is on by default: a warm-up on the timed prompts would let it skip prefill), then
-times one pass over the timed prompts. Runs alternate ours and each vLLM setup; the table gives medians
-(min-max) over the repeats, and compares ours against the faster vLLM setup. Peak KV blocks: the most
-blocks of 16 tokens our pool held at once (vLLM does not report its own).
+Both engines schedule up to 4,096 tokens a step (vLLM's default for its LLM class on a CPU; ours' own default,
+512, is what generate.py's experiments run). Each run is its own process: it loads the model, warms up on
+*other* prompts of the same lengths (vLLM's prefix cache is on by default: a warm-up on the timed prompts
+would let it skip prefill), then times one pass over the timed prompts. Runs alternate ours and each vLLM
+setup; the table gives medians (min-max) over the repeats, and compares ours against the faster vLLM setup.
+Peak KV blocks: the most blocks of 16 tokens our pool held at once (vLLM does not report its own).
 vLLM setups: both cores bound to its worker (VLLM_CPU_OMP_THREADS_BIND=0-1; its default keeps one
 core for its front end); "preloaded" adds LD_PRELOAD of tcmalloc and the venv's libiomp5.so, as
 vLLM's CPU documentation asks.
@@ -98,7 +98,7 @@ def run_ours(job):
     sys.path.insert(0, ROOT)
     import torch
 
-    from ext import ServingEngine
+    from ext import engine_class
     from harness.checkpoints import load_checkpoint
     from harness.tuning import prepare
     from paged import blocks_for
@@ -111,7 +111,10 @@ def run_ours(job):
     def serve(prompts, new_tokens):
         num_blocks = sum(blocks_for(len(p) + new_tokens, 16) for p in prompts) * width
         # vLLM's LLM class on a CPU schedules up to 4,096 tokens a step (max_num_batched_tokens): ours the same
-        engine = ServingEngine(model, num_blocks=num_blocks, token_budget=4096, max_batch=64 * width, vocab_size=50257)
+        # the engine generate.py builds: PagedEngine, and the forks extension for beams or samples
+        engine = engine_class(forks=width > 1)(
+            model, num_blocks=num_blocks, token_budget=4096, max_batch=64 * width, vocab_size=50257
+        )
         requests = [
             Request(p, new_tokens, SamplingParams(num_beams=job["beams"]))
             if job["samples"] == 1
@@ -245,7 +248,8 @@ def main():
     print(f"read bandwidth: {bandwidth:.1f} GB/s (a float32 sum over 256 MB, {threads} threads, median of 7)")
     print(f"dtype {args.dtype} in both engines, explicitly (vLLM's default on an x86 CPU is bfloat16)")
     print(
-        "allocators: ours keeps freed memory in the process (mallopt at Engine(), no preload); vllm preloaded: "
+        "allocators: ours keeps freed memory in the process (mallopt, by harness/tuning.py's prepare; no preload); "
+        "vllm preloaded: "
         "tcmalloc and the venv's libiomp5.so, as vLLM's CPU docs ask; vllm plain: neither",
         flush=True,
     )

@@ -1,13 +1,13 @@
 """What the benchmarks claim about their own alternatives: the two-level top-k of bench/sampling.py is exact,
-and bench/archive/compile_graph.py's one-graph forward computes what the engine computes."""
+decode_attention.py's ragged and flex paths and gpu.py's flex candidate attend as the engine does, and
+async_step.py's candidate gives the engine's tokens. tests/test_bench_scripts.py runs each script."""
 
 import random
 import time
 
 import pytest
 import torch
-import torch._inductor.config
-from conftest import make_requests, run_engine
+from conftest import run_engine
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_eos import common_token
@@ -33,39 +33,6 @@ def test_two_level_topk_selects_exactly_what_torch_topk_does(vocab, k):
         assert all(len(set(row)) == k for row in ids.tolist())  # no column twice
 
 
-def test_one_graph_forward_equals_eager_and_compiles_no_new_graph_as_steps_change(model):
-    """bench/archive/compile_graph.py's whole forward as one graph, attention as an op: token for token the eager
-    engine's output, in float64; the code inductor writes calls the op once a layer and runs no GELU or
-    layer norm of aten's (they are fused into its own kernels); and once warm, steps of other token counts,
-    chunks, samplers and block tables compile nothing new."""
-    from torch._dynamo.utils import counters
-    from torch._inductor.utils import run_and_get_code
-
-    from bench.archive.compile_graph import graph_forward
-
-    def run(prompts, news, forward=None):
-        engine = ServingEngine(model, num_blocks=80, block_size=4, token_budget=24)
-        if forward is not None:
-            engine.model = lambda idx, batch: (forward(batch), None)
-        return run_engine(engine, make_requests(prompts, news), check=True)
-
-    warm = [[7, 8, 9], [1] * 11]
-    prompts = [list(range(1, 30)), [5], [3, 1, 4, 1, 5, 9, 2, 6], list(range(40, 50))]
-    news = [6, 9, 4, 12]
-    forward = graph_forward(model)
-    with torch._inductor.config.patch(freezing=True):
-        outputs, codes = run_and_get_code(run, warm, [3, 5], forward)
-        assert outputs == run(warm, [3, 5])
-        calls = [line for code in codes for line in code.splitlines() if not line.lstrip().startswith("#")]
-        code = "\n".join(calls)  # without inductor's comments, which name the aten ops each kernel fuses
-        assert code.count("torch.ops.nanogpt.attend.default(") == model.config.n_layer
-        assert "aten.gelu" not in code and "aten.native_layer_norm" not in code
-        assert "cpp_fused_" in code
-        graphs = counters["stats"]["unique_graphs"]
-        assert run(prompts, news, forward) == run(prompts, news)
-    assert counters["stats"]["unique_graphs"] == graphs
-
-
 def test_sampling_bench_times_the_engines_own_sample_call(model):
     """bench/sampling.py wraps the engine's sample call; a rename in the engine must fail here, not there."""
     from bench.sampling import run
@@ -74,24 +41,6 @@ def test_sampling_bench_times_the_engines_own_sample_call(model):
         tok_s, ms_per_step, outputs = run(model, [[1, 2, 3], [4, 5]], [3, 4], temperature)
         assert [len(o) for o in outputs] == [3, 4]
         assert tok_s > 0 and ms_per_step > 0
-
-
-@pytest.mark.parametrize("rows", [1, 8])
-def test_linear_postops_bench_times_sides_that_compute_the_same(rows):
-    """bench/archive/linear_postops.py: oneDNN's GELU and add post-ops give what the linear and the op apart give."""
-    from bench.archive.linear_postops import sides_for
-
-    g = torch.Generator().manual_seed(rows)
-    fc_weight, proj_weight = torch.randn(64, 16, generator=g), torch.randn(16, 64, generator=g)
-    fc_bias, proj_bias = torch.randn(64, generator=g), torch.randn(16, generator=g)
-    x, h, residual = torch.randn(rows, 16, generator=g), torch.randn(rows, 64, generator=g), torch.randn(rows, 16)
-    pack = torch.ops.mkldnn._reorder_linear_weight
-    sides = sides_for(x, h, residual, pack(fc_weight, None), fc_bias, pack(proj_weight, None), proj_bias)
-    expected_fc = torch.nn.functional.gelu(x @ fc_weight.T + fc_bias)
-    expected_proj = h @ proj_weight.T + proj_bias + residual
-    for name, expected in [("gelu", expected_fc), ("add", expected_proj)]:
-        torch.testing.assert_close(sides[f"{name} apart"](), expected, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(sides[f"{name} post-op"](), expected, rtol=1e-4, atol=1e-4)
 
 
 def test_ragged_decode_attention_equals_the_engines_gather_attend():
