@@ -35,11 +35,16 @@ ROWS = {  # name: (n_layer, n_embd, requests, prompt tokens, new tokens)
 }
 
 
-def main():
+def parser():
+    """Every flag, with its default and its help."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--rows", default="all", help="all, or a comma-separated list of row numbers (1-based)")
-    args = p.parse_args()
+    return p
+
+
+def main():
+    args = parser().parse_args()
     enc = get_tokenizer(50304)
     names = list(ROWS) if args.rows == "all" else [list(ROWS)[int(i) - 1] for i in args.rows.split(",")]
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}")

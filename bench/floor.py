@@ -142,7 +142,8 @@ def summary(name, xs, unit, scale=1.0):
     return f"{name:<34} median {statistics.median(xs):8.3f}{unit}  (min {min(xs):.3f}, max {max(xs):.3f})"
 
 
-def main():
+def parser():
+    """Every flag, with its default and its help."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument(
@@ -151,7 +152,11 @@ def main():
     )
     p.add_argument("--vocab-size", type=int, help="random weights of the checkpoint's shape with this vocabulary")
     p.add_argument("--num-requests", type=int, default=128, help="the floor's requests (host and sampling: <= 64)")
-    args = p.parse_args()
+    return p
+
+
+def main():
+    args = parser().parse_args()
     n, m = args.num_requests, min(args.num_requests, 64)
     model = load_checkpoint(args.ckpt)
     if args.vocab_size:

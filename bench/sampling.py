@@ -89,13 +89,18 @@ def fmt(xs, unit=""):
     return f"{statistics.median(xs):,.2f}{unit} ({min(xs):,.2f}-{max(xs):,.2f})"
 
 
-def main():
+def parser():
+    """Every flag, with its default and its help."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--shapes", default="tiny,gpt2")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=128)
-    args = p.parse_args()
+    return p
+
+
+def main():
+    args = parser().parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {time.strftime('%Y-%m-%d')}")
     wl = SimpleNamespace(
         seed=3,

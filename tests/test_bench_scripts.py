@@ -1,7 +1,8 @@
 """Every script in bench/ runs as a user runs it, `python bench/X.py ...` in a process of its own: its smallest real
 run where one takes seconds on a CPU, else --help (for a script that needs a GPU, vLLM or minutes of compiling);
 and each imports as a module with bench/ first on sys.path, as the before-stop hook imports them. A script that
-imports a name the engine no longer has, or calls it the old way, fails here. The runs' figures mean nothing."""
+imports a name the engine no longer has, or calls it the old way, fails here. The runs' figures mean nothing.
+Every command of docs/regenerate.sh parses with today's flags."""
 
 import json
 import os
@@ -10,6 +11,10 @@ import sys
 
 import pytest
 import torch
+from test_readme_commands import words
+
+import generate
+from bench import compile_cpu, floor, fork_memory, sampling
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "bench")
@@ -99,3 +104,44 @@ def test_vllm_compare_worker_serves_ours_on_an_exported_model(tmp_path):
     result = json.loads(out.split("RESULT ", 1)[1])
     assert [[len(beam) for beam in beams] for beams in result["outputs"]] == [[5, 5]] * len(prompts)
     assert result["peak_blocks"] > 0
+
+
+def regenerate_commands():
+    """docs/regenerate.sh's commands as (script, argv): its `run NAME ARGS` (generate.py), `bench NAME SCRIPT
+    ARGS` and `python SCRIPT ARGS` lines, continuation lines joined, comments and redirections dropped."""
+    with open(os.path.join(ROOT, "docs", "regenerate.sh")) as f:
+        text = f.read().replace("\\\n", " ")
+    commands = []
+    for line in text.splitlines():
+        if "() {" in line:  # the two helpers' own definitions
+            continue
+        w = words(line)
+        if w[:1] == ["run"]:
+            commands.append(("generate.py", w[2:]))
+        elif w[:1] == ["bench"]:
+            commands.append((f"bench/{w[2]}", w[3:]))
+        elif w[:1] == ["python"]:
+            commands.append((w[1], w[2 : w.index(">")] if ">" in w else w[2:]))
+    return commands
+
+
+def test_every_command_of_regenerate_sh_parses_with_todays_flags(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the output folders parse_args makes land here
+    modules = {"generate.py": generate, "bench/fork_memory.py": fork_memory, "bench/floor.py": floor}
+    modules.update({"bench/sampling.py": sampling, "bench/compile_cpu.py": compile_cpu})
+    commands = regenerate_commands()
+    assert len(commands) >= 14 and {script for script, _ in commands} == set(modules), commands
+    for module in set(modules.values()):  # no prefix matching: a flag renamed to a longer one must fail here
+        monkeypatch.setattr(module, "parser", lambda make=module.parser: no_abbreviations(make()))
+    for script, argv in commands:
+        module = modules[script]
+        parse = getattr(module, "parse_args", None) or module.parser().parse_args
+        try:
+            parse(argv)
+        except SystemExit as e:
+            pytest.fail(f"docs/regenerate.sh: {script} {' '.join(argv)}: {e.code}")
+
+
+def no_abbreviations(p):
+    p.allow_abbrev = False
+    return p
