@@ -8,7 +8,7 @@ batch of one-token rows, each over its own context in a pool of 16-token blocks,
              sums the values within each block first;
   ragged     not in the engine: each row's real blocks only, as pairs (block, row), each block reduced on
              its own, then each row's blocks combined; its tables are built on the host, timed apart;
-  flat       the same as it was before: the values summed over all of a row's keys at once;
+  flat       not in the engine: the values summed over all of a row's keys at once;
   eager      the engine's eager path: gather whole blocks (a copy), then SDPA;
   flex       not in the engine: bench/gpu.py's flex_attention candidate, compiled, the block table as its
              block mask (built once a step, timed apart); inductor's CPU template takes it with a 4-D query
@@ -45,7 +45,7 @@ HEAD_SIZE = 64
 
 
 def flat_gather_attend(q, k_pool, v_pool, block_table, kv_len):
-    """gather_attend as it was: the values summed over all of a row's keys at once. Inductor's kernel then
+    """gather_attend with the values summed over all of a row's keys at once, not block by block first. Inductor's kernel then
     walks the keys innermost for each head's 8-float slice, so a row's values are fetched once per slice."""
     B, H, D = q.shape
     acc = torch.promote_types(q.dtype, torch.float32)
