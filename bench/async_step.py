@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from ext import ServingEngine
 from harness.checkpoints import SHIPPED, load_checkpoint
 from paged import blocks_for
-from sequence import Request, SamplingParams, SequenceStatus
+from sequence import Request, RequestStatus, SamplingParams, SequenceStatus
 
 
 class AsyncPagedEngine(ServingEngine):
@@ -106,21 +106,17 @@ class AsyncPagedEngine(ServingEngine):
         self.pending = None
         if event:
             event.synchronize()
-        now = self.clock.now()
         for (s, _, _), position, token in zip(samplers, positions, host.tolist()):
             if position >= len(s.tokens):  # it sampled eos the step before: this row's token is dropped
                 continue
             s.tokens[position] = token
-            r = s.request
-            if r.first_token_at is None:
-                r.first_token_at = now
-            if token == r.params.eos and s.status is not SequenceStatus.DONE:
+            if token == s.request.params.eos and s.status is not SequenceStatus.DONE:
                 del s.tokens[position + 1 :]  # the placeholder of a step that ran after it
                 self.stop(s, SequenceStatus.DONE)
         for r in dict.fromkeys(s.request for s, _, _ in samplers):  # NOTE: a sequence stops at max_new_tokens only
             # after this, in the step that set its last placeholder, so every done sequence's tokens are here
-            if r.done_at is None and all(x.status is SequenceStatus.DONE for x in r.sequences):
-                self.finish(r, now)
+            if r.status is not RequestStatus.DONE and all(x.status is SequenceStatus.DONE for x in r.sequences):
+                self.finish(r)
 
 
 def main():

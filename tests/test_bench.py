@@ -98,8 +98,10 @@ def test_gpu_bench_times_each_step_and_runs_each_repeat_without_the_last_ones_pr
     from paged import BlockAllocator
 
     hits = []
-    lookup = BlockAllocator.lookup
-    monkeypatch.setattr(BlockAllocator, "lookup", lambda self, *a: hits.append(lookup(self, *a)) or hits[-1])
+    cached_prefix = BlockAllocator.cached_prefix
+    monkeypatch.setattr(
+        BlockAllocator, "cached_prefix", lambda self, *a: hits.append(cached_prefix(self, *a)) or hits[-1]
+    )
     engine = ServingEngine(model, num_blocks=60, block_size=4, token_budget=32)
     prompts, news = [list(range(1, 30)), [5] * 9, list(range(40, 60))], [6, 9, 4]
     _, first = gpu.run_ours(engine, prompts, news)
@@ -111,7 +113,7 @@ def test_gpu_bench_times_each_step_and_runs_each_repeat_without_the_last_ones_pr
     _, again = gpu.run_ours(engine, prompts, news)
     wall_ms = (time.perf_counter() - start) * 1e3
     assert again == first
-    assert len(hits) == 6 and all(h is None for h in hits)  # each run: one lookup a prompt, a miss
+    assert len(hits) == 6 and all(h == [] for h in hits)  # each run: one lookup a prompt, no hit
     assert len(steps) == len(batches) >= max(news)
     assert {kind for kind, _ in steps} == {"eager"}  # no graphs on a CPU
     assert all(len(phases) == 4 and min(phases) >= 0 for _, phases in steps)
@@ -170,9 +172,9 @@ def count_late_tokens(engine):
         assert engine.pending is None, "preempted while tokens are in flight"
         preempt(group)
 
-    def finish_with_every_token(r, now):
+    def finish_with_every_token(r):
         assert all(t >= 0 for s in r.sequences for t in s.tokens), "a request finished before its tokens came"
-        finish(r, now)
+        finish(r)
 
     engine.resolve = lambda: late.append(engine.pending is not None and bool(engine.running)) or resolve()
     engine.preempt, engine.finish = preempt_none_in_flight, finish_with_every_token
@@ -201,8 +203,8 @@ def test_async_candidate_gives_the_engines_tokens(model, num_blocks, block_size,
         late = count_late_tokens(engine) if cls is AsyncPagedEngine else []
         run_engine(engine, requests, arrivals, check=True)
         outputs[cls] = [[s.generated for s in r.sequences] for r in requests]
-        counts[cls] = (len(engine.finished), engine.allocator.num_free(), engine.meter.num_preemptions)
-        assert all(r.status is RequestStatus.DONE and r.done_at >= r.first_token_at for r in requests)
+        done = sum(r.status is RequestStatus.DONE for r in requests)  # every request, its tokens on the host
+        counts[cls] = (done, engine.allocator.num_free(), engine.meter.num_preemptions)
     assert outputs[AsyncPagedEngine] == outputs[ServingEngine]
     assert any(len(o) < r.max_new_tokens for r, out in zip(requests, outputs[ServingEngine]) for o in out)  # eos hit
     assert counts[AsyncPagedEngine][:2] == counts[ServingEngine][:2] == (len(requests), num_blocks)
