@@ -45,8 +45,9 @@ HEAD_SIZE = 64
 
 
 def flat_gather_attend(q, k_pool, v_pool, block_table, kv_len):
-    """gather_attend with the values summed over all of a row's keys at once, not block by block first. Inductor's kernel then
-    walks the keys innermost for each head's 8-float slice, so a row's values are fetched once per slice."""
+    """gather_attend with the values summed over all of a row's keys at once, not block by block first.
+    Inductor's kernel then walks the keys innermost for each head's 8-float slice, so a row's values are fetched
+    once per slice."""
     B, H, D = q.shape
     acc = torch.promote_types(q.dtype, torch.float32)
     keys = k_pool[block_table].to(acc)  # (B, W, block_size, H, D)
