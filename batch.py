@@ -48,17 +48,21 @@ class StepBatch:
         ends = num_new.cumsum(0)  # (R,) each entry's end in the step's tokens
         starts = ends - num_new
         self.token_entry = torch.repeat_interleave(torch.arange(len(plan)), num_new)  # (N,) each token's plan entry
-        self.host_positions = (num_cached - starts)[self.token_entry] + torch.arange(len(self.token_entry))  # (N,)
+        offsets = (num_cached - starts)[self.token_entry]  # (N,) each token's position less its place in the step
+        self.host_positions = offsets + torch.arange(len(self.token_entry))  # (N,)
         self.kv_lens = num_cached + num_new  # (R,) keys each entry has after this step
         self.num_one_token = int((num_new == 1).sum())  # NOTE: the plan puts them first
         self.spans = list(zip(starts.tolist(), ends.tolist()))  # (start, end) of each entry's new tokens
-        self.chunks = [Chunk(i, *self.spans[i], int(num_cached[i])) for i in range(self.num_one_token, len(plan))]
+        longer = range(self.num_one_token, len(plan))  # the other entries: prefill chunks, each attended alone
+        self.chunks = [Chunk(i, *self.spans[i], int(num_cached[i])) for i in longer]
         tokens = longs([t for s, n in plan for t in s.next_tokens(n)])
         entries = longs([x.entry for x in samplers])  # (S,) each sampler's plan entry
         rows = longs([x.sequence.row for x in samplers])
         backs = longs([x.back for x in samplers])
-        host = tokens, self.host_positions, (ends - 1)[entries] - backs, rows, self.kv_lens[entries] - backs
-        self.idx, self.positions, self.logit_rows, self.sample_rows, self.sample_pos = self.stage(*host)
+        logit_rows = (ends - 1)[entries] - backs
+        sample_pos = self.kv_lens[entries] - backs
+        staged = self.stage(tokens, self.host_positions, logit_rows, rows, sample_pos)
+        self.idx, self.positions, self.logit_rows, self.sample_rows, self.sample_pos = staged
 
     def stage(self, *tensors):
         """Host tensors -> the same on the device (the CUDA extension copies them in one: ext/cuda.py)."""

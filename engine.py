@@ -4,9 +4,7 @@ bookkeeping. A subclass decides what runs (schedule) and where K/V live (make_ba
 override the methods that name them."""
 
 import math
-import time
 from collections import deque
-from types import SimpleNamespace
 from typing import NamedTuple
 
 import torch
@@ -31,29 +29,22 @@ class Sampler(NamedTuple):
     back: int = 0
 
 
-WALL_CLOCK = SimpleNamespace(now=time.perf_counter, sleep=time.sleep)  # the harness sleeps; tests swap in fakes
-
-
 class Engine:
     """Runs requests to completion. Subclasses choose each step's tokens (schedule) and keep K/V (make_batch,
     release). Observers (harness/observer.py) hear what happened at each step; the engine keeps no measurements."""
 
-    def __init__(self, model, *, max_batch=64, vocab_size=None, clock=None):
+    def __init__(self, model, *, max_batch=64, vocab_size=None):
         if max_batch < 1:
             raise ValueError(f"max_batch is {max_batch}; it must be at least 1")
         self.model = model
-        self.max_batch = max_batch
-        self.max_running = max_batch  # sequences at once
+        self.max_batch = max_batch  # sequences at once
         self.window = model.config.block_size  # the model's context (nanoGPT's name), not a KV block's size
         # ids from vocab_size on are never sampled: nanoGPT pads GPT-2's 50,257 tokens to 50,304 ids
         self.vocab_size = vocab_size or model.config.vocab_size
-        self.num_ids = model.config.vocab_size  # a prompt's ids index the embedding's rows
         self.device = model.lm_head.weight.device
-        self.clock = clock or WALL_CLOCK
         self.observers = []
         self.waiting = deque()  # sequences
         self.running = []  # sequences, in the order they started
-        self.finished = []  # requests
         # each running sequence holds a row of settings (sampling.sample's), so a step reads them without copying
         self.free_rows = list(range(max_batch))[::-1]
         self.settings = torch.zeros(max_batch, 5, dtype=torch.float64, device=self.device)
@@ -62,18 +53,20 @@ class Engine:
         for observer in self.observers:
             getattr(observer, event)(*args)
 
-    def add(self, r, arrival=None):
-        """Queue a request that arrived at clock time `arrival` (default: now), or refuse it in one line."""
-        if r.arrival is not None:
+    def add(self, r):
+        """Queue a request, or refuse it in one line."""
+        if r.status is not RequestStatus.NEW:
             raise ValueError(f"this request was added before (it is {r.status.value}); a request runs once")
         self.check(r)
-        r.arrival = self.clock.now() if arrival is None else arrival
+        r.status = RequestStatus.WAITING
         self.waiting.append(r.sequences[0])
+        self.notify("added", r)
 
     def check(self, r):
         total = len(r.prompt) + r.max_new_tokens
-        if not r.prompt or min(r.prompt) < 0 or max(r.prompt) >= self.num_ids:  # else the step fails for all
-            raise ValueError(f"empty prompt, or an id outside the model's 0..{self.num_ids - 1}: {r.prompt[:8]}")
+        num_ids = self.model.config.vocab_size  # a prompt's ids index the embedding's rows; else the step fails for all
+        if not r.prompt or min(r.prompt) < 0 or max(r.prompt) >= num_ids:
+            raise ValueError(f"empty prompt, or an id outside the model's 0..{num_ids - 1}: {r.prompt[:8]}")
         if r.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens is {r.max_new_tokens}; it must be at least 1")
         if total - 1 > self.window:  # the last new token is never fed back, so it needs no position
@@ -109,11 +102,12 @@ class Engine:
         self.mark_computed(plan)
         # at least float32, as vLLM's (float64 stays for greedy rows; draws are float32); ids past the
         # vocabulary never win
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        logits = logits.to(dtype)
         logits[:, self.vocab_size :] = float("-inf")
         tokens = self.sample(logits, batch, samplers).tolist()  # the step's one transfer to the host
         self.notify("sampled", plan)
-        self.append_tokens(samplers, tokens, self.clock.now())
+        self.append_tokens(samplers, tokens)
         self.notify("stepped")
 
     def forward(self, batch):  # the CUDA extension replays a captured graph here (ext/cuda.py)
@@ -124,13 +118,14 @@ class Engine:
         forks extension adds a prompt's other samples here."""
         return [Sampler(s, i) for i, (s, n) in enumerate(plan) if n == s.num_uncomputed()]
 
-    def start(self, s, status=SequenceStatus.PREFILLING):
+    def start(self, s):
         s.row = self.free_rows.pop()
         s.request.status = RequestStatus.RUNNING
-        # the one place a sequence's settings take their device form; on the device a top_k of 0 keeps every id
+        # the one place a sequence's settings take their device form: its top_k, how many best ids it keeps
         p = s.request.params
-        self.settings[s.row] = torch.tensor([p.temperature, p.cut(self.vocab_size), p.top_p, p.min_p, s.seed & UINT32])
-        s.status = status
+        settings = [p.temperature, p.best(self.vocab_size), p.top_p, p.min_p, s.seed & UINT32]  # sampling.sample's
+        self.settings[s.row] = torch.tensor(settings)
+        s.status = SequenceStatus.PREFILLING
         self.running.append(s)
 
     def mark_computed(self, plan):
@@ -140,27 +135,25 @@ class Engine:
 
     def sample(self, logits, batch, samplers):
         """A token for every sampler, drawn on the device from its row's settings: (S,), left on the device."""
-        best = [s.request.params.best(self.vocab_size) for s, _, _ in samplers if s.request.params.temperature > 0]
-        return sample(logits, self.settings[batch.sample_rows], batch.sample_pos, max(best, default=0), 0 in best)
+        params = [s.request.params for s, _, _ in samplers]
+        best = [p.best(self.vocab_size) for p in params if p.temperature > 0]  # of the sampled rows
+        settings = self.settings[batch.sample_rows]  # (S, 5): each sampler's row's
+        return sample(logits, settings, batch.sample_pos, max(best, default=0), 0 in best)
 
-    def append_tokens(self, samplers, tokens, now):
-        """Each token joins its sequence, which decodes from now on, done at max_new_tokens or eos; a request's
-        first token is stamped, and the request is done when all its sequences are."""
+    def append_tokens(self, samplers, tokens):
+        """Each token joins its sequence, which decodes from now on, done at max_new_tokens or eos; the request is
+        done when all its sequences are."""
         for (s, _, _), token in zip(samplers, tokens):
             r = s.request
             s.status = SequenceStatus.DECODING
-            if r.first_token_at is None:  # a clock may read 0.0
-                r.first_token_at = now
             s.tokens.append(token)
             if len(s.tokens) - len(r.prompt) == r.max_new_tokens or token == r.params.eos:  # blocks free at once
                 self.stop(s, SequenceStatus.DONE)
                 if all(x.status is SequenceStatus.DONE for x in r.sequences):
-                    self.finish(r, now)
+                    self.finish(r)
 
-    def finish(self, r, now):
-        r.done_at = now
+    def finish(self, r):  # all its sequences done (ext/forks.py: its beams)
         r.status = RequestStatus.DONE
-        self.finished.append(r)
 
     def stop(self, s, status):  # done, preempted, or a beam that died (ext/forks.py)
         s.status = status

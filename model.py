@@ -16,7 +16,6 @@ class GPTConfig:
     n_layer: int = 4
     n_head: int = 4
     n_embd: int = 128
-    dropout: float = 0.0
     bias: bool = True
     gelu: str = "exact"  # GPT-2's own weights were trained with the tanh approximation: "tanh"
 
@@ -26,7 +25,8 @@ def attend(q, k, v, q_pos):
     position p iff j <= p: causal, and blind to padding, as no query sits past its row's last key."""
     visible = torch.arange(k.size(1), device=q.device) <= q_pos[..., None]  # (B, Q, L)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, *, D)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None]).transpose(1, 2)
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None])
+    return y.transpose(1, 2)
 
 
 class CausalSelfAttention(nn.Module):
@@ -35,25 +35,17 @@ class CausalSelfAttention(nn.Module):
         assert config.n_embd % config.n_head == 0, f"n_embd {config.n_embd} is not a multiple of n_head {config.n_head}"
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        self.resid_dropout = nn.Dropout(config.dropout)
         self.n_head = config.n_head
-        self.n_embd = config.n_embd
-        self.dropout = config.dropout
 
     def forward(self, x, batch, layer):
-        q, k, v = self.c_attn(x).split(self.n_embd, dim=-1)
-        hs = self.n_embd // self.n_head
-        if batch is None:  # training: x is (B, T, C)
-            B, T, C = x.shape
-            q, k, v = (t.view(B, T, self.n_head, hs).transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
-            drop = self.dropout if self.training else 0.0
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True)
-            y = y.transpose(1, 2).reshape(B, T, C)
-        else:  # inference: x is (N, C), new tokens of many sequences; the batch knows whose and where
-            N, C = x.shape
-            q, k, v = (t.view(N, self.n_head, hs) for t in (q, k, v))  # (N, H, D)
-            y = batch.attend(layer, q, k, v).reshape(N, C)
-        return self.resid_dropout(self.c_proj(y))
+        # each (B, T, H, D) in training, (N, H, D) at inference
+        q, k, v = self.c_attn(x).unflatten(-1, (3, self.n_head, -1)).unbind(-3)
+        if batch is None:  # training: each of the B rows attends causally over itself
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+        else:  # inference: new tokens of many sequences; the batch knows whose and where
+            y = batch.attend(layer, q, k, v)
+        return self.c_proj(y.flatten(-2))
 
 
 class MLP(nn.Module):
@@ -61,12 +53,11 @@ class MLP(nn.Module):
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
-        self.dropout = nn.Dropout(config.dropout)
         self.gelu = "none" if config.gelu == "exact" else config.gelu  # F.gelu's names for erf and tanh
 
     def forward(self, x):
         x = F.gelu(self.c_fc(x), approximate=self.gelu)
-        return self.dropout(self.c_proj(x))
+        return self.c_proj(x)
 
 
 class Block(nn.Module):
@@ -90,7 +81,6 @@ class GPT(nn.Module):
             dict(
                 wte=nn.Embedding(config.vocab_size, config.n_embd),
                 wpe=nn.Embedding(config.block_size, config.n_embd),
-                drop=nn.Dropout(config.dropout),
                 h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
                 ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
             )
@@ -98,10 +88,10 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying, as GPT-2
         for name, p in self.named_parameters():  # GPT-2's init; residual projections scaled by depth
-            if name.endswith("weight") and p.dim() == 2:
+            if p.dim() == 2:  # embeddings and linears (LayerNorm's ones and zeros stay)
                 std = 0.02 / math.sqrt(2 * config.n_layer) if name.endswith("c_proj.weight") else 0.02
-                nn.init.normal_(p, mean=0.0, std=std)
-            elif name.endswith("bias") and "ln_" not in name:
+                nn.init.normal_(p, std=std)
+            elif name.endswith("bias"):
                 nn.init.zeros_(p)
 
     def forward(self, idx, targets=None, batch=None):
@@ -109,7 +99,6 @@ class GPT(nn.Module):
         -> logits (S, V), one row for each token whose logits a sampler reads (batch.logit_rows)."""
         pos = torch.arange(idx.size(-1), device=idx.device) if batch is None else batch.positions
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)
-        x = self.transformer.drop(x)
         for layer, block in enumerate(self.transformer.h):
             x = block(x, batch, layer)
         x = self.transformer.ln_f(x)
@@ -118,5 +107,4 @@ class GPT(nn.Module):
         logits = self.lm_head(x)
         if targets is None:
             return logits, None
-        loss = F.cross_entropy(logits.flatten(0, -2), targets.reshape(-1), ignore_index=-1)
-        return logits, loss
+        return logits, F.cross_entropy(logits.flatten(0, -2), targets.reshape(-1), ignore_index=-1)

@@ -6,7 +6,6 @@ Position p of a sequence lives in slot block_table[p // block_size] * block_size
 
 import functools
 import hashlib
-from array import array
 from collections import OrderedDict
 
 import torch
@@ -38,11 +37,8 @@ class BlockAllocator:
     def num_free(self):
         return len(self.clean) + len(self.cached_free)
 
-    def can_allocate(self, n):
-        return n <= self.num_free()
-
     def allocate(self, n=1):
-        if not self.can_allocate(n):
+        if n > self.num_free():
             raise RuntimeError(f"KV pool exhausted: {n} blocks asked, {self.num_free()} of {self.num_blocks} free")
         blocks = [self.clean.pop() for _ in range(min(n, len(self.clean)))]
         while len(blocks) < n:  # no clean block left: evict the least recently released cached one
@@ -79,14 +75,9 @@ class BlockAllocator:
         Computed once per block, into s.block_hashes."""
         while len(s.block_hashes) <= k:
             parent = s.block_hashes[-1] if s.block_hashes else b""
-            tokens = array("q", self.block_tokens(s, len(s.block_hashes))).tobytes()
+            tokens = repr(self.block_tokens(s, len(s.block_hashes))).encode()
             s.block_hashes.append(hashlib.blake2b(parent + tokens, digest_size=16).digest())
         return s.block_hashes[k]
-
-    def lookup(self, block_hash, tokens):
-        """The cached block with this hash, if it really holds these tokens: a collision never hits."""
-        block, cached_tokens = self.by_hash.get(block_hash, (None, None))
-        return block if cached_tokens == tokens else None
 
     def register(self, block, block_hash, tokens):
         # NOTE: by_hash and hash_of stay one-to-one (the first block with a hash wins), so that evicting a
@@ -95,12 +86,13 @@ class BlockAllocator:
             self.by_hash[block_hash] = (block, tokens)
             self.hash_of[block] = block_hash
 
-    def cached_prefix(self, s):
-        """The cached full blocks heading s's tokens; the last token is always computed: its logits start generation."""
+    def cached_prefix(self, s, num_tokens):
+        """The cached full blocks heading s's first num_tokens tokens, each found by its hash and holding s's
+        tokens: a hash collision never hits."""
         hits = []
-        for k in range((len(s.tokens) - 1) // self.block_size):
-            block = self.lookup(self.block_hash(s, k), self.block_tokens(s, k))
-            if block is None:
+        for k in range(num_tokens // self.block_size):
+            block, tokens = self.by_hash.get(self.block_hash(s, k), (None, None))
+            if tokens != self.block_tokens(s, k):
                 break
             hits.append(block)
         return hits
@@ -111,11 +103,11 @@ class BlockAllocator:
             self.register(s.block_table[k], self.block_hash(s, k), self.block_tokens(s, k))
 
 
-def allocate_pool(config, num_blocks, block_size, device, dtype, pin_memory=False):
+def allocate_pool(config, num_blocks, block_size, device, dtype):
     """k_pool and v_pool in one tensor: (2, n_layer, num_blocks + 1, block_size, n_head, head_size), the last
     block padding's. One indexed copy moves blocks of both, in every layer."""
     shape = (2, config.n_layer, num_blocks + 1, block_size, config.n_head, config.n_embd // config.n_head)
-    return torch.zeros(shape, device=device, dtype=dtype, pin_memory=pin_memory)
+    return torch.zeros(shape, device=device, dtype=dtype)
 
 
 def write_kv(k_pool, v_pool, slots, k, v):
@@ -139,13 +131,15 @@ def gather_attend(q, k_pool, v_pool, block_table, kv_len):
     B, H, D = q.shape
     acc = torch.promote_types(q.dtype, torch.float32)  # float64 stays exact
     keys = k_pool[block_table].to(acc)  # (B, W, block_size, H, D)
-    scores = (q[:, None, None].to(acc) * keys).sum(-1).view(B, -1, H) * D**-0.5  # (B, L, H)
+    q = q.to(acc) * D**-0.5
+    scores = (q[:, None, None] * keys).sum(-1).view(B, -1, H)  # (B, L, H)
     visible = torch.arange(scores.shape[1], device=q.device) < kv_len[:, None]  # (B, L)
     p = scores.masked_fill(~visible[..., None], float("-inf")).softmax(1)
     values = v_pool[block_table].to(acc)  # (B, W, block_size, H, D)
     # Summed within each block first: the CPU kernel then walks one block's keys per 8-float slice of a head,
     # while they sit in cache, not a whole row's (bench/decode_attention.py: 1.4-2.1x at GPT-2 small's heads).
-    return (p.view(*values.shape[:4], 1) * values).sum(2).sum(1).to(q.dtype)
+    weighted = p.view(*values.shape[:4], 1) * values  # (B, W, block_size, H, D)
+    return weighted.sum(2).sum(1).to(v_pool.dtype)
 
 
 @functools.cache
@@ -173,10 +167,13 @@ class PagedBatch(StepBatch):
         block = table[self.token_entry, self.host_positions // block_size]  # (N,)
         slots = block * block_size + self.host_positions % block_size
         B = self.num_one_token
-        one_token = table[:B, : max(blocks_read[:B], default=0)], self.kv_lens[:B]
+        one_token_table = table[:B, : max(blocks_read[:B], default=0)]
+        one_token_len = self.kv_lens[:B]
         if compiled:  # padded to 2 rows and blocks at least: a size of 1 would specialize the compiled graph
-            one_token = self.pad(*one_token, max(B, 2), max(one_token[0].shape[1], 2))
-        self.slots, self.table, self.one_token_table, self.one_token_len = self.stage(slots, table, *one_token)
+            width = max(one_token_table.shape[1], 2)
+            one_token_table, one_token_len = self.pad(one_token_table, one_token_len, max(B, 2), width)
+        staged = self.stage(slots, table, one_token_table, one_token_len)
+        self.slots, self.table, self.one_token_table, self.one_token_len = staged
 
     def pad(self, table, kv_len, rows, width):
         """table (B, W), kv_len (B,) -> (rows, width), (rows,): padding rows read one key of the padding block."""
@@ -190,9 +187,11 @@ class PagedBatch(StepBatch):
     def attend_one_token(self, layer, q):
         pools = self.k_pool[layer], self.v_pool[layer]
         table, kv_len = self.one_token_table, self.one_token_len
-        if not self.compiled:  # copy whole blocks out, then SDPA: k, v (B, L, H, D)
-            return attend(q[:, None], *(gather_kv(pool, table) for pool in pools), kv_len[:, None] - 1)[:, 0]
-        padded = F.pad(q, (0, 0, 0, 0, 0, table.shape[0] - q.shape[0]))  # (B, H, D)
+        if not self.compiled:  # copy whole blocks out, then SDPA
+            keys, values = (gather_kv(pool, table) for pool in pools)  # (B, L, H, D)
+            return attend(q[:, None], keys, values, kv_len[:, None] - 1)[:, 0]
+        padded = q.new_zeros(len(table), *q.shape[1:])  # (B, H, D), as many rows as the table
+        padded[: len(q)] = q
         for t in (padded, table, kv_len, *pools):  # one graph for every batch, width and pool size
             torch._dynamo.maybe_mark_dynamic(t, 0)
         torch._dynamo.maybe_mark_dynamic(table, 1)

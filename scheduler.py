@@ -9,9 +9,6 @@ from engine import Engine, PlanEntry
 from paged import BlockAllocator, PagedBatch, allocate_pool, blocks_for
 from sequence import SequenceStatus
 
-# compile "auto" on a CPU: compiled decode attention from this many rows, as fast or faster (docs/compile.md)
-COMPILE_FROM_ROWS = 16
-
 
 class PagedEngine(Engine):
     """K/V in a pool of num_blocks blocks of block_size tokens, full blocks shared through the prefix cache.
@@ -23,10 +20,11 @@ class PagedEngine(Engine):
     compile_modes = ("auto", "on", "off")
 
     def __init__(self, model, *, num_blocks, block_size=16, token_budget=512, prefix_cache=True, compile="auto", **kw):
-        super().__init__(model, **kw)  # and max_batch, vocab_size, clock
         if min(block_size, token_budget, num_blocks) < 1 or compile not in self.compile_modes:
             why = f"block_size {block_size}, token_budget {token_budget}, num_blocks {num_blocks} must be >= 1"
             raise ValueError(f"{why}, compile {compile!r} one of {self.compile_modes}")
+        max_batch = min(kw.pop("max_batch", 64), token_budget)  # so that every decoding sequence fits in a step
+        super().__init__(model, max_batch=max_batch, **kw)  # and vocab_size
         self.block_size = block_size
         self.token_budget = token_budget
         self.prefix_cache = prefix_cache
@@ -34,9 +32,8 @@ class PagedEngine(Engine):
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.kv_pool = allocate_pool(model.config, num_blocks, block_size, self.device, model.lm_head.weight.dtype)
         # auto (and an extension's mode, for the steps it leaves to the core): compiled decode attention on a GPU,
-        # and on a CPU from COMPILE_FROM_ROWS rows
-        self.compile_from = 1 if compile == "on" or self.kv_pool.is_cuda else COMPILE_FROM_ROWS
-        self.max_running = min(self.max_batch, token_budget)  # so every decoding sequence fits in a step
+        # and on a CPU from 16 rows, as fast or faster from there (docs/compile.md)
+        self.compile_from = 1 if compile == "on" or self.kv_pool.is_cuda else 16
         # 1% of the blocks are kept free at admission, for running sequences to grow, as vLLM V0's
         # BlockSpaceManager(watermark=0.01)
         self.watermark = max(1, num_blocks // 100)
@@ -60,7 +57,10 @@ class PagedEngine(Engine):
         budget = self.token_budget - sum(n for _, n in plan)
         prefilling = [s for s in self.running if s.status is SequenceStatus.PREFILLING]
         # admit while the budget outlasts the prefills, until the head of the queue must wait
-        while self.waiting and budget > sum(s.num_uncomputed() for s in prefilling) and (admitted := self.admit_next()):
+        while self.waiting and budget > sum(s.num_uncomputed() for s in prefilling):
+            admitted = self.admit_next()
+            if not admitted:
+                break
             prefilling += admitted
         for s in prefilling:
             if budget > 0:
@@ -95,7 +95,7 @@ class PagedEngine(Engine):
     def make_room(self, s):
         """Preempt the newest running sequences until one block can be allocated (a free cached block counts:
         allocate evicts it) -> whether s still runs."""
-        while not self.allocator.can_allocate(1):
+        while not self.allocator.num_free():
             self.preempt(self.running[-1])
         return s.row is not None
 
@@ -111,51 +111,46 @@ class PagedEngine(Engine):
         return 0
 
     def admit_next(self):
-        """Admit the head of the waiting queue (with the forks extension, its whole beam group), if rows and blocks
-        allow -> the admitted, or none: then they wait, and so does everyone behind them."""
-        group = self.head_group()
-        hits = [self.allocator.cached_prefix(s) if self.prefix_cache else [] for s in group]
-        if not self.can_admit(group, hits):
+        """Admit the head of the waiting queue, if a row and blocks allow -> the admitted, or none: then it
+        waits, and so does everyone behind it."""
+        s = self.waiting[0]
+        cached = self.allocator.cached_prefix(s, self.cacheable(s)) if self.prefix_cache else []
+        if not self.can_admit(s, cached):
             return []
-        # NOTE: every hit is shared before any block is allocated, which could evict a free cached hit
-        for block in [block for cached in hits for block in cached]:
+        for block in cached:
             self.allocator.share(block)
-        for s, cached in zip(group, hits):
-            self.waiting.popleft()
-            self.admit(s, cached)
-        self.notify("admitted", group)
-        return group
+        self.waiting.popleft()
+        self.admit(s, cached)
+        self.notify("admitted", [s])
+        return [s]
 
-    def head_group(self):  # what is admitted together: the head of the queue (ext/forks.py: a beam group whole)
-        return [self.waiting[0]]
+    def cacheable(self, s):  # how many of s's first tokens the prefix cache may serve (prompt logprobs: ext/scoring.py)
+        return len(s.tokens) - 1  # not the last: its logits start generation
 
-    def can_admit(self, group, hits, copies=0):
-        """Whether rows are free for the group, and free blocks cover its tokens less its cached blocks `hits`
-        (and `copies` more), leaving the watermark. Not while a running sequence computes a member's next
-        prefix block: it waits, and shares that block next step."""
-        if len(self.running) + len(group) > self.max_running:
+    def can_admit(self, s, cached, copies=0):
+        """Whether a row is free and free blocks cover s's tokens less the cached ones (and `copies` more),
+        leaving the watermark. Not while a running sequence computes s's next prefix block: s waits, and
+        shares that block next step."""
+        if len(self.running) >= self.max_batch:
             return False
-        if self.prefix_cache and any(self.prefix_in_flight(s, len(cached)) for s, cached in zip(group, hits)):
+        if self.prefix_cache and self.prefix_in_flight(s, len(cached)):
             return False
-        need = copies + sum(blocks_for(len(s.tokens), self.block_size) - len(cached) for s, cached in zip(group, hits))
-        need += len({block for cached in hits for block in cached if self.allocator.ref_count[block] == 0})
-        return self.can_allocate_above_watermark(need)  # a free cached hit leaves the free blocks too
+        return self.blocks_to_admit(s, cached) + copies <= self.spare_blocks()
 
-    def can_allocate_above_watermark(self, need):
-        return self.allocator.can_allocate(
-            need + (self.watermark if self.running else 0)
-        )  # alone, a sequence may take it
+    def blocks_to_admit(self, s, cached):
+        """The free blocks s takes: its tokens' less the cached ones, and each cached one that is free now."""
+        need = blocks_for(len(s.tokens), self.block_size) - len(cached)
+        return need + sum(self.allocator.ref_count[block] == 0 for block in cached)
+
+    def spare_blocks(self):  # free blocks above the watermark; alone, a sequence may take it
+        return self.allocator.num_free() - (self.watermark if self.running else 0)
 
     def prefix_in_flight(self, s, k):
-        """Is a prefilling sequence computing block k of s's prefix (not its last token's) right now?"""
+        """Is a running sequence computing block k of s's prefix (not its last token's) in this step?"""
         end = (k + 1) * self.block_size
-        if end >= len(s.tokens):
-            return False
-        block_hash = self.allocator.block_hash(s, k)
-        computing = [x for x in self.running if x.status is SequenceStatus.PREFILLING]
-        return any(
-            x.num_computed < end <= len(x.tokens) and self.allocator.block_hash(x, k) == block_hash for x in computing
-        )
+        unfilled = [x for x in self.running if x.num_computed < end <= len(x.tokens)]  # block k full, not computed
+        computing = [self.allocator.block_hash(x, k) for x in unfilled]
+        return end < len(s.tokens) and self.allocator.block_hash(s, k) in computing
 
     def admit(self, s, blocks):
         """s starts with `blocks` heading its tokens, already held: its cached prefix (the swap extension's
@@ -173,8 +168,7 @@ class PagedEngine(Engine):
         super().mark_computed(plan)
         if self.prefix_cache:  # the blocks that just filled join the prefix cache
             for s, n in plan:
-                if s.num_computed % self.block_size < n:  # a block filled: not so for most decodes
-                    self.allocator.register_filled(s, s.num_computed - n)
+                self.allocator.register_filled(s, s.num_computed - n)
 
     def release(self, s):
         self.allocator.free(s.block_table)

@@ -21,16 +21,15 @@ class SamplingParams:
     length_penalty: float = 1.0  # a finished beam's score is divided by (new tokens) ** this, as HF's
     eos: int | None = None  # a token that ends each sequence sampling it (as HF's eos_token_id)
 
-    def cut(self, vocab_size):
-        """The top_k that cuts the candidates, or 0: none, or one of vocab_size or more, keeps every id."""
-        return self.top_k if (self.top_k or vocab_size) < vocab_size else 0
-
     def best(self, vocab_size):
-        """How many of the best ids hold those that top_k and top_p keep: 0 when neither cuts."""
-        return self.cut(vocab_size) or vocab_size * (self.top_p < 1)
+        """How many of the best ids hold those that top_k and top_p keep: top_k, every id for top_p alone, and 0
+        when neither cuts (a top_k of vocab_size or more keeps every id)."""
+        top_k = self.top_k if (self.top_k or vocab_size) < vocab_size else 0
+        return top_k or vocab_size * (self.top_p < 1)
 
 
 class RequestStatus(Enum):
+    NEW = "new"  # not added to an engine yet
     WAITING = "waiting"
     RUNNING = "running"
     DONE = "done"
@@ -45,15 +44,14 @@ class SequenceStatus(Enum):
 
 
 class Request:
-    """What a user asks for, its times, and its sequences: one, or with the forks extension n samples in
-    order, or num_beams live beams best first."""
+    """What a user asks for, and its sequences: one, or with the forks extension n samples in order, or
+    num_beams live beams best first."""
 
     def __init__(self, prompt, max_new_tokens, params=None):
         self.prompt = list(prompt)
         self.max_new_tokens = max_new_tokens
         self.params = params or SamplingParams()
-        self.status = RequestStatus.WAITING
-        self.arrival = self.first_token_at = self.done_at = None  # clock times
+        self.status = RequestStatus.NEW
         self.sequences = [Sequence(self, prompt, self.params.seed)]
 
     @property
@@ -85,5 +83,4 @@ class Sequence:
 
     def next_tokens(self, n):
         """Its next n tokens to compute: those not computed yet, then any proposed."""
-        tokens = self.tokens[self.num_computed : self.num_computed + n]
-        return tokens + self.proposed[: n - len(tokens)]
+        return (self.tokens[self.num_computed :] + self.proposed)[:n]

@@ -101,7 +101,7 @@ class CudaGraphs:
         super().__init__(model, **kw)
         if self.device.type == "cuda" and self.compile == "graph":  # the GPU path, asked for (NOTE above)
             self.batch_class = StagedBatch
-        largest = self.max_running
+        largest = self.max_batch
         buckets = [1, 2, 4, 8, *range(16, largest, 16)]
         self.graph_batches = [b for b in buckets if b < largest] + [largest]
         width = self.block_tables.shape[1]

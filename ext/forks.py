@@ -4,7 +4,7 @@ dying as their scores rank. On the paged engine forks share their parent's block
 than one sequence is copied before it is written (copy-on-write).
 
 Forks plugs into any engine at check_forks, samplers, mark_computed, sample and append_tokens; PagedForks
-adds the paged scheduler's side (blocks_needed, reserve_slot, preempt, head_group, can_admit), as a beam group
+adds the paged scheduler's side (blocks_needed, reserve_slot, preempt, admit_next, can_admit), as a beam group
 is preempted and readmitted whole. An engine gives a fork its parent's K/V in fork_kv."""
 
 import torch
@@ -45,10 +45,10 @@ class Forks:
         self.forked = []  # (parent, child) of the forks made this step: they take the K/V once it is written
         self.beam_logprobs = None  # the step's beams' next-token log-probabilities, on the host
 
-    def add(self, r, arrival=None):
+    def add(self, r):
         if r.params.num_beams > 1 and not isinstance(r.sequences[0], Beam):
             r.sequences = [Beam(r, r.prompt, r.params.seed)]
-        super().add(r, arrival)
+        super().add(r)
 
     def check_forks(self, r):  # the core calls it for n or num_beams other than 1
         p = r.params
@@ -56,8 +56,8 @@ class Forks:
         if min(p.n, p.num_beams) < 1 or (p.num_beams > 1 and not beam_ready):
             why = f"n {p.n} and num_beams {p.num_beams} must be at least 1"
             raise ValueError(f"{why}; beam search is greedy and runs max_new_tokens: no n, temperature, top_k or eos")
-        if width(r) > self.max_running:
-            raise ValueError(f"{width(r)} sequences of one request exceed the {self.max_running} that run at once")
+        if width(r) > self.max_batch:
+            raise ValueError(f"{width(r)} sequences of one request exceed the {self.max_batch} that run at once")
 
     def samplers(self, plan):
         """Fork each prompt of n samples whose last chunk is planned, so that its forks draw in this step too,
@@ -76,7 +76,8 @@ class Forks:
 
     def fork(self, s, seed):  # a sequence that runs on its own from s's tokens; fork_kv gives it s's K/V
         child = type(s)(s.request, s.tokens, seed)
-        self.start(child, s.status)
+        self.start(child)
+        child.status = s.status
         return child
 
     def mark_computed(self, plan):
@@ -92,23 +93,21 @@ class Forks:
             self.beam_logprobs = torch.log_softmax(logits[beams].float(), -1).cpu()
         return super().sample(logits, batch, samplers)
 
-    def append_tokens(self, samplers, tokens, now):
+    def append_tokens(self, samplers, tokens):
         """A beam holds its log-probabilities instead of a token; its group steps once all its beams hold theirs."""
         if self.beam_logprobs is None:  # no beam sampled this step
-            return super().append_tokens(samplers, tokens, now)
+            return super().append_tokens(samplers, tokens)
         plain = [x for x in samplers if not is_beam(x.sequence)]
         plain_tokens = [token for x, token in zip(samplers, tokens) if not is_beam(x.sequence)]
-        super().append_tokens(plain, plain_tokens, now)
+        super().append_tokens(plain, plain_tokens)
         beams = [x for x in samplers if is_beam(x.sequence)]
         for (s, _, _), logprobs in zip(beams, self.beam_logprobs):
             s.status = SequenceStatus.DECODING
-            if s.request.first_token_at is None:
-                s.request.first_token_at = now
             s.logprobs = logprobs
             if all(b.logprobs is not None for b in s.request.sequences):
-                self.step_beams(s.request, now)
+                self.step_beams(s.request)
 
-    def step_beams(self, r, now):
+    def step_beams(self, r):
         """One step of beam search for r's group, as HF's: the num_beams likeliest continuations of its
         live beams by summed log-probability (float32) survive, best first; a beam continued more than once
         forks, and a beam not continued dies and frees its blocks. Ends when the beams reach max_new_tokens."""
@@ -134,7 +133,7 @@ class Forks:
             for b in r.sequences:
                 b.score /= r.max_new_tokens**r.params.length_penalty  # as HF scores a finished beam
                 self.stop(b, SequenceStatus.DONE)
-            self.finish(r, now)
+            self.finish(r)
 
     def continue_beams(self, parents):
         """A beam for each pick: its parent the first time, then forks of it that share its K/V. Forks copy
@@ -191,18 +190,32 @@ class PagedForks(Forks):
                 x.logprobs = None
             super().preempt(x)
 
-    def head_group(self):
+    def admit_next(self):
         """A preempted beam group heads the queue, and is admitted whole."""
-        return self.group(self.waiting[0], self.waiting)
+        group = self.group(self.waiting[0], self.waiting)
+        if len(group) == 1:
+            return super().admit_next()
+        hits = [self.allocator.cached_prefix(x, self.cacheable(x)) if self.prefix_cache else [] for x in group]
+        # a free block that several members hit is counted for each: admission waits for more than it takes
+        need = sum(self.blocks_to_admit(x, cached) for x, cached in zip(group, hits))
+        if sum(num_rows(x) for x in self.running + group) > self.max_batch or need > self.spare_blocks():
+            return []
+        # NOTE: every hit is shared before any member allocates, which could evict a free cached block
+        # that another member of the group is about to share
+        for block in (block for cached in hits for block in cached):
+            self.allocator.share(block)
+        for s, cached in zip(group, hits):
+            self.waiting.popleft()  # the group heads the queue
+            self.admit(s, cached)
+        self.notify("admitted", group)
+        return group
 
-    def can_admit(self, group, hits, copies=0):
-        """Rows for every sequence the group's request will run, and blocks for its forks' copies of a shared
-        last block."""
-        if sum(num_rows(x) for x in self.running + group) > self.max_running:
+    def can_admit(self, s, cached, copies=0):
+        """Rows for every sequence s's request will run, and blocks for its forks' copies of a shared last block."""
+        if sum(num_rows(x) for x in self.running) + num_rows(s) > self.max_batch:
             return False
         # the forks of a prompt each copy its last block, if partly filled, on their first write; alone, a
         # sequence's forks may preempt each other
-        s = group[0]
         if self.running and len(s.tokens) % self.block_size:
             copies += num_rows(s) - 1
-        return super().can_admit(group, hits, copies)
+        return super().can_admit(s, cached, copies)

@@ -140,7 +140,7 @@ class Speculative:
         if num_decoding > AUTO_MAX_DECODING:
             return False
         prefilling = any(s.status is SequenceStatus.PREFILLING for s in self.running)
-        admissible = self.waiting and len(self.running) < self.max_running
+        admissible = self.waiting and len(self.running) < self.max_batch
         return not (prefilling or admissible)
 
     def proposals_for(self, s, num_decoding):
@@ -202,7 +202,7 @@ class Speculative:
     def reserve_proposals(self, s, k):
         """Slots for up to k proposed tokens after s's next token, in free blocks above the watermark -> how many."""
         held = len(s.block_table)
-        while k and not self.can_allocate_above_watermark(blocks_for(s.num_computed + 1 + k, self.block_size) - held):
+        while k and blocks_for(s.num_computed + 1 + k, self.block_size) - held > self.spare_blocks():
             k -= 1
         num_new = blocks_for(s.num_computed + 1 + k, self.block_size) - held
         self.place_blocks(s, held, self.allocator.allocate(max(0, num_new)))
@@ -225,13 +225,13 @@ class Speculative:
         verified = [n - len(s.proposed) for s, n in plan]
         super().mark_computed([PlanEntry(s, n) for (s, _), n in zip(plan, verified)])
 
-    def append_tokens(self, samplers, tokens, now):
+    def append_tokens(self, samplers, tokens):
         """Verify each speculating sequence's proposals against its draws, roll back the rejected, and append
         the kept draws one at a time, as plain decoding would."""
         if self.guesses:
             self.check_guesses(samplers, tokens)
         if not self.proposing:
-            return super().append_tokens(samplers, tokens, now)
+            return super().append_tokens(samplers, tokens)
         drawn = {}  # a speculating sequence -> its draws, at positions num_computed, num_computed + 1, ...
         plain, plain_tokens = [], []
         for x, token in zip(samplers, tokens):
@@ -240,13 +240,13 @@ class Speculative:
             else:
                 plain.append(x)
                 plain_tokens.append(token)
-        super().append_tokens(plain, plain_tokens, now)
+        super().append_tokens(plain, plain_tokens)
         for s, by_back in drawn.items():
             in_order = sorted(by_back, reverse=True)  # back k first: the draw at s's next position
-            self.verify(s, [by_back[back] for back in in_order], now)
+            self.verify(s, [by_back[back] for back in in_order])
         self.proposing = []
 
-    def verify(self, s, draws, now):
+    def verify(self, s, draws):
         """draws: (sampler, token) at s's positions num_computed, ... -> the kept: the draws up to and including
         the first that differs from the proposal before it; the K/V of the kept proposals stay computed."""
         proposal = s.proposed
@@ -262,7 +262,7 @@ class Speculative:
         s.num_computed += kept - 1  # the accepted proposals' K/V: they are the kept draws before the last
         for sampler, token in draws[:kept]:
             if s.status is not SequenceStatus.DONE:  # eos or max_new_tokens drops the rest
-                super().append_tokens([sampler], [token], now)
+                super().append_tokens([sampler], [token])
         if s.status is not SequenceStatus.DONE:
             self.roll_back(s, num_before)
 

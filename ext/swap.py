@@ -15,11 +15,10 @@ class Swap:
         if swap_blocks < 0:
             raise ValueError(f"swap_blocks is {swap_blocks}; it must be >= 0")
         self.swap_blocks = swap_blocks
-        pinned = self.kv_pool.is_cuda
         # - 1: allocate_pool adds a padding block, which a swap space does not need
-        self.swap_space = allocate_pool(
-            model.config, swap_blocks - 1, self.block_size, "cpu", self.kv_pool.dtype, pinned
-        )
+        self.swap_space = allocate_pool(model.config, swap_blocks - 1, self.block_size, "cpu", self.kv_pool.dtype)
+        if self.kv_pool.is_cuda:  # pinned, for fast copies
+            self.swap_space = self.swap_space.pin_memory()
         self.free_swap = list(range(swap_blocks))  # a stack, as the allocator's clean blocks
         self.swapped = {}  # a swapped-out sequence -> the swap space's block that holds each of its logical blocks
 

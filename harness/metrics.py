@@ -2,6 +2,8 @@
 metrics() turns what it heard into the table's figures (vLLM's benchmark names: TTFT, TPOT, latency)."""
 
 import math
+import time
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -9,17 +11,27 @@ from harness.contiguous import ContiguousEngine
 from harness.observer import Observer
 from paged import blocks_for
 from scheduler import PagedEngine
-from sequence import SequenceStatus
+from sequence import RequestStatus, SequenceStatus
+
+WALL_CLOCK = SimpleNamespace(now=time.perf_counter, sleep=time.sleep)  # tests swap in fakes
 
 
 class Meter(Observer):
     """What the experiments read of an engine, heard from it as one of its observers (the engine keeps no
-    measurements): each step's seconds (plan to sampled tokens), running sequences, keys attended and KV
-    slots; prefill tokens; admitted and prefix-cached tokens; preemptions; blocks swapped out and in, and the
-    seconds their copies took; tokens whose K/V were computed again, and their share of their steps' seconds."""
+    measurements), on `clock`: each request's arrival, first token and end; each step's seconds (plan to
+    sampled tokens), running sequences, keys attended and KV slots; prefill tokens; admitted and
+    prefix-cached tokens; preemptions; blocks swapped out and in, and the seconds their copies took; tokens
+    whose K/V were computed again, and their share of their steps' seconds."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, clock=None):
         self.engine = engine
+        self.clock = clock or WALL_CLOCK
+        # request -> clock time: it arrived (was added, unless the harness set the time it arrived at), drew
+        # its first token (a beam: its first log-probabilities), and was done
+        self.arrival = {}
+        self.first_token = {}
+        self.done = {}
+        self.plan = []
         self.steps = []  # one dict per step
         self.step_start = None
         self.prefill_tokens = 0
@@ -41,8 +53,12 @@ class Meter(Observer):
         self.speculation = {}  # request -> [proposed, accepted, verify steps]
         engine.observers.append(self)
 
+    def added(self, request):
+        self.arrival.setdefault(request, self.clock.now())
+
     def planned(self, plan):
-        self.step_start = self.engine.clock.now()
+        self.plan = plan
+        self.step_start = self.clock.now()
         self.prefill_tokens += sum(n for s, n in plan if s.status is SequenceStatus.PREFILLING)
         again = [min(s.num_computed + n, self.computed.get(s, 0)) - s.num_computed for s, n in plan]
         again = sum(max(0, a) for a in again)
@@ -52,13 +68,19 @@ class Meter(Observer):
     def sampled(self, plan):
         engine = self.engine
         keys = sum(s.num_computed for s, _ in plan)
-        seconds = engine.clock.now() - self.step_start
+        seconds = self.clock.now() - self.step_start
         self.recompute_s += seconds * self.step_share
         self.steps.append(dict(seconds=seconds, running=len(engine.running), keys=keys, **kv_slots(engine)))
 
     def stepped(self):
+        now = self.clock.now()
         for s in self.engine.running:
             self.computed[s] = max(self.computed.get(s, 0), s.num_computed)
+        for s, _ in self.plan:
+            if s.status in (SequenceStatus.DECODING, SequenceStatus.DONE):  # it has drawn
+                self.first_token.setdefault(s.request, now)
+            if s.request.status is RequestStatus.DONE:
+                self.done.setdefault(s.request, now)
 
     def admitted(self, group):
         looked_up = [x for x in group if x not in self.swapped_in_now]
@@ -67,13 +89,13 @@ class Meter(Observer):
         self.swapped_in_now = set()
 
     def swapping(self):
-        self.swap_start = self.engine.clock.now()
+        self.swap_start = self.clock.now()
 
     def preempted(self, sequence):
         self.num_preemptions += 1
         if self.swap_start is not None:  # its K/V went to the swap space since swapping()
             self.swapped_out_blocks += len(self.engine.swapped[sequence])
-            self.swap_out_s += self.engine.clock.now() - self.swap_start
+            self.swap_out_s += self.clock.now() - self.swap_start
         elif getattr(self.engine, "swap_blocks", 0):  # the swap space (ext/swap.py) could not take it
             self.swap_fallbacks += 1
         self.swap_start = None
@@ -89,7 +111,7 @@ class Meter(Observer):
 
     def swapped_in(self, sequence, num_blocks):
         self.swapped_in_blocks += num_blocks
-        self.swap_in_s += self.engine.clock.now() - self.swap_start
+        self.swap_in_s += self.clock.now() - self.swap_start
         self.swap_start = None
         self.swapped_in_now.add(sequence)
 
@@ -182,11 +204,12 @@ def mean(values):
 
 
 def metrics(meter, wall_s, rate, kv_budget):
-    engine, reqs, stats = meter.engine, meter.engine.finished, meter.steps
+    engine, reqs, stats = meter.engine, list(meter.done), meter.steps
+    arrival, first_token, done = meter.arrival, meter.first_token, meter.done
     out = sum(len(s.generated) for r in reqs for s in returned(r))
-    ttft = [(r.first_token_at - r.arrival) * 1000 for r in reqs]
-    latency = [(r.done_at - r.arrival) * 1000 for r in reqs]  # end to end, from arrival to the last token
-    tpot = [(r.done_at - r.first_token_at) * 1000 / (len(r.generated) - 1) for r in reqs if len(r.generated) > 1]
+    ttft = [(first_token[r] - arrival[r]) * 1000 for r in reqs]
+    latency = [(done[r] - arrival[r]) * 1000 for r in reqs]  # end to end, from arrival to the last token
+    tpot = [(done[r] - first_token[r]) * 1000 / (len(r.generated) - 1) for r in reqs if len(r.generated) > 1]
     peak = max(stats, key=lambda s: s["allocated"])
     m = dict(
         output_tokens=out,

@@ -3,9 +3,12 @@ measurements, and what measures it (metrics.Meter, plots.PoolMap) listens."""
 
 
 class Observer:
-    """What an engine tells its observers (metrics.Meter, plots.PoolMap). A step's schedule() admits,
+    """What an engine tells its observers (metrics.Meter, plots.PoolMap): add() tells added; a step's schedule() admits,
     preempts and copies on write; then come planned, sampled and stepped. A subclass overrides what it needs;
     the engine itself keeps no measurements."""
+
+    def added(self, request):  # a request joined the waiting queue
+        pass
 
     def planned(self, plan):  # the step's plan, before the forward
         pass

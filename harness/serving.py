@@ -126,7 +126,7 @@ def warm_up(engine, num_sequences):
     runs = []
     if engine.compile == "step":  # a step of a two-token prompt, then one of its decode: the small steps' graph
         runs.append(("small steps, the whole forward", [Request([0, 0], 2)]))
-    if min(engine.max_running, num_sequences) >= engine.compile_from:  # one step of one-token rows
+    if min(engine.max_batch, num_sequences) >= engine.compile_from:  # one step of one-token rows
         runs.append(("decode attention", [Request([0], 1) for _ in range(max(2, engine.compile_from))]))
     for name, requests in runs:
         what = f"compiling {name} (torch.compile, {engine.device.type}, {engine.kv_pool[0].dtype})"
@@ -172,27 +172,30 @@ def make_requests(args, prompts, news):
     ]
 
 
-def arrive(engine, requests, times):
-    """Add each request to the engine at its arrival (clock seconds) and step it until all are done; an
-    idle engine sleeps until the next arrival. Yields after every step."""
+def arrive(engine, meter, requests, times):
+    """Add each request to the engine at its arrival (seconds on the meter's clock), which the meter notes, and
+    step it until all are done; an idle engine sleeps until the next arrival. Yields after every step."""
+    clock = meter.clock
     pending = sorted(zip(times, range(len(requests))))[::-1]  # the next arrival last
     while pending or engine.waiting or engine.running:
-        while pending and pending[-1][0] <= engine.clock.now():
+        while pending and pending[-1][0] <= clock.now():
             at, i = pending.pop()
-            engine.add(requests[i], at)
+            meter.arrival[requests[i]] = at  # it arrived then, perhaps while a step ran
+            engine.add(requests[i])
         if engine.waiting or engine.running:
             engine.step()
             yield
         else:
-            engine.clock.sleep(max(0.0, pending[-1][0] - engine.clock.now()))
+            clock.sleep(max(0.0, pending[-1][0] - clock.now()))
 
 
 def serve(engine, requests, args, rate):
     """Run one engine over the requests, arriving at `rate` -> its metrics and the Meter that heard it."""
-    meter, start = Meter(engine), engine.clock.now()
-    for _ in arrive(engine, requests, [start + t for t in arrivals(len(requests), rate, args.seed)]):
+    meter = Meter(engine)
+    start = meter.clock.now()
+    for _ in arrive(engine, meter, requests, [start + t for t in arrivals(len(requests), rate, args.seed)]):
         pass
-    wall_s = engine.clock.now() - start  # every step ends in a host transfer
+    wall_s = meter.clock.now() - start  # every step ends in a host transfer
     return metrics(meter, wall_s, rate, args.kv_budget), meter
 
 

@@ -26,9 +26,9 @@ def one_line_error(argv):
 
 
 def one_second_steps(monkeypatch):
-    """The engines the CLI builds read a clock that only their steps move, each by a second."""
+    """The CLI's meters read a clock that only the engines' steps move, each by a second."""
     clock = SimpleNamespace(t=0.0)
-    monkeypatch.setattr("engine.WALL_CLOCK", SimpleNamespace(now=lambda: clock.t, sleep=None))
+    monkeypatch.setattr("harness.metrics.WALL_CLOCK", SimpleNamespace(now=lambda: clock.t, sleep=None))
     step = Engine.step
 
     def timed_step(self):

@@ -45,7 +45,7 @@ def test_plain_requests_stop_at_eos_and_give_every_block_back(model, num_blocks)
     ):
         requests = [Request(p, n, SamplingParams(eos=eos)) for p, n in zip(prompts, news)]
         assert run_engine(engine, requests, check=isinstance(engine, ServingEngine)) == want
-        assert len(engine.finished) == len(requests) and all(r.status is RequestStatus.DONE for r in requests)
+        assert all(r.status is RequestStatus.DONE for r in requests) and len(engine.meter.done) == len(requests)
         assert metrics(engine.meter, 1.0, float("inf"), None)["output_tokens"] == sum(map(len, want))
         if isinstance(engine, ServingEngine):
             assert engine.allocator.num_free() == num_blocks and not engine.running and not engine.waiting

@@ -15,7 +15,7 @@ from harness import serving
 from harness.contiguous import ContiguousEngine
 from harness.metrics import Meter
 from scheduler import PagedEngine
-from sequence import Request, SamplingParams
+from sequence import Request, RequestStatus, SamplingParams
 
 
 class FakeClock:
@@ -43,17 +43,17 @@ def workload(seed, n=16):
 def test_no_reservation_policy_ever_holds_more_than_the_budget(model, reserve):
     for seed in range(4):
         prompts, news = workload(seed)
-        engine = ContiguousEngine(model, max_batch=8, kv_budget=100, reserve=reserve, clock=FakeClock())
+        engine = ContiguousEngine(model, max_batch=8, kv_budget=100, reserve=reserve)
         rng = random.Random(seed)
         arrivals = sorted(rng.uniform(0, 0.05) for _ in prompts)
         requests = make_requests(prompts, news)
         peak = 0
-        for _ in serving.arrive(engine, requests, arrivals):
+        for _ in serving.arrive(engine, Meter(engine, FakeClock()), requests, arrivals):
             held = sum(engine.reservation(s.request) for s in engine.running)
             assert held == engine.reserved <= 100
             assert all(s.num_computed <= engine.reservation(s.request) for s in engine.running)
             peak = max(peak, len(engine.running))
-        assert len(engine.finished) == len(prompts) and engine.reserved == 0
+        assert all(r.status is RequestStatus.DONE for r in requests) and engine.reserved == 0
         assert peak == 1 if reserve == "max" else peak > 1  # max reserves the context, 64 of 100: one at a time
         assert [r.generated for r in requests] == baseline(model, prompts, news)
 
@@ -62,7 +62,7 @@ def test_no_request_is_scheduled_before_its_arrival_and_the_idle_engine_sleeps(m
     prompts, news = workload(5, n=8)
     arrivals = [0.0, 0.0, 0.3, 0.31, 2.0, 2.0, 7.5, 7.6]
     clock = FakeClock()
-    engine = PagedEngine(model, num_blocks=80, block_size=4, token_budget=16, max_batch=4, clock=clock)
+    engine = PagedEngine(model, num_blocks=80, block_size=4, token_budget=16, max_batch=4)
     scheduled, schedule = {}, engine.schedule
 
     def record():
@@ -72,10 +72,11 @@ def test_no_request_is_scheduled_before_its_arrival_and_the_idle_engine_sleeps(m
         return plan
 
     engine.schedule = record
-    requests, meter = make_requests(prompts, news), Meter(engine)
-    for _ in serving.arrive(engine, requests, arrivals):
+    requests, meter = make_requests(prompts, news), Meter(engine, clock)
+    for _ in serving.arrive(engine, meter, requests, arrivals):
         pass
     assert all(scheduled[id(r)] >= at for r, at in zip(requests, arrivals))
+    assert [meter.arrival[r] for r in requests] == arrivals  # each arrived when the workload said, not when added
     assert clock.slept > 4.0 and len(meter.steps) < 200  # it slept through the gaps instead of spinning
     assert [r.generated for r in requests] == baseline(model, prompts, news)
 

@@ -41,7 +41,7 @@ def test_n_samples_fork_once_and_equal_separate_requests_with_the_same_seeds(mod
         r = Request(prompt, 9, SamplingParams(temperature=0.9, top_k=top_k, seed=70, n=n))
         run_engine(engine, [r], check=True)
         assert outputs(r) == samples_as_separate_requests(model, prompt, 9, n, 70, 0.9, top_k)
-        assert r.generated == outputs(r)[0] and r.status is RequestStatus.DONE and len(engine.finished) == 1
+        assert r.generated == outputs(r)[0] and r.status is RequestStatus.DONE and list(engine.meter.done) == [r]
         assert engine.meter.prefill_tokens == len(prompt), f"n={n}: the prompt was prefilled more than once"
         leaks_nothing(engine)
 

@@ -76,14 +76,20 @@ def test_every_figure_equals_its_value_worked_out_by_hand_on_a_fake_clock(model,
     keep K/V apart (a block: 4 slots)."""
     clock = TokenClock()
     if design == "contiguous":
-        engine = ContiguousEngine(model, clock=clock)
+        engine = ContiguousEngine(model)
     else:
-        engine = PagedEngine(model, num_blocks=16, block_size=4, prefix_cache=False, clock=clock)
-    engine.meter = Meter(engine)
+        engine = PagedEngine(model, num_blocks=16, block_size=4, prefix_cache=False)
+    engine.meter = Meter(engine, clock)
     engine.observers.append(clock)
     requests = [Request([1, 2, 3, 4], 3), Request([5, 6], 1), Request([7, 8, 9], 2)]
     run_engine(engine, requests, arrivals=[0, 0, 1])
-    assert [r.arrival for r in requests] == [0, 0, 6] and [s["seconds"] for s in engine.meter.steps] == [6, 4, 2]
+    arrival = [engine.meter.arrival[r] for r in requests]
+    assert arrival == [0, 0, 6] and [s["seconds"] for s in engine.meter.steps] == [6, 4, 2]
+    assert [engine.meter.first_token[r] for r in requests] == [6, 6, 10] and list(engine.meter.done) == [
+        requests[1],
+        requests[0],
+        requests[2],
+    ]
     ttft = [6000, 6000, 10000 - 6000]  # ms, from each one's arrival
     latency = [12000, 6000, 12000 - 6000]
     tpot = [(12000 - 6000) / 2, (12000 - 10000) / 1]  # b made one token: no TPOT

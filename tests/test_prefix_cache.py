@@ -45,7 +45,7 @@ def test_identical_blocks_behind_different_prefixes_never_hit(model):
     for s, k in [(a, 0), (a, 1), (b, 0)]:
         alloc.register(alloc.allocate()[0], alloc.block_hash(s, k), alloc.block_tokens(s, k))
     assert alloc.block_tokens(a, 1) == alloc.block_tokens(b, 1)
-    assert alloc.cached_prefix(b) == [alloc.lookup(alloc.block_hash(b, 0), (6, 7, 8, 1))]  # not a's block 1
+    assert alloc.cached_prefix(b, 8) == [alloc.by_hash[alloc.block_hash(b, 0)][0]]  # not a's block 1
     # the engine: a caches both its blocks, c caches b's block 0, then b finds that block alone; sampled, so
     # that b's tokens show a's K/V in its block 1 (computed behind a's block 0)
     engine = PagedEngine(model, num_blocks=50, block_size=4, token_budget=64)
@@ -95,9 +95,21 @@ def test_eviction_takes_clean_blocks_first_then_least_recently_released():
     alloc.free([b])  # released first: least recently used
     alloc.free([a])
     assert alloc.allocate()[0] not in (a, b) and alloc.allocate()[0] not in (a, b)  # clean blocks first
-    assert alloc.allocate() == [b] and alloc.lookup("hash-b", (2,)) is None  # then LRU, forgetting its hash
-    assert alloc.lookup("hash-a", (2,)) is None and alloc.lookup("hash-a", (1,)) == a  # tokens are compared
+    assert alloc.allocate() == [b] and "hash-b" not in alloc.by_hash  # then LRU, forgetting its hash
+    assert alloc.by_hash["hash-a"] == (a, (1,))
     assert alloc.allocate() == [a]
+
+
+def test_a_hash_collision_never_hits():
+    """A cached block is found by its hash and must hold the looked-up tokens: blocks of another content that
+    happen to share the hash are misses."""
+    alloc = BlockAllocator(4, block_size=2)
+    s, other = Request([1, 2, 3, 4, 5], 1).sequences[0], Request([7, 8, 3, 4, 5], 1).sequences[0]
+    [block] = alloc.allocate()
+    alloc.register(block, alloc.block_hash(s, 0), alloc.block_tokens(other, 0))  # s's hash, another's tokens
+    assert alloc.cached_prefix(s, 4) == []
+    alloc.by_hash[alloc.block_hash(s, 0)] = (block, alloc.block_tokens(s, 0))
+    assert alloc.cached_prefix(s, 4) == [block]
 
 
 def test_same_prefix_admitted_together_is_computed_once(model):

@@ -83,7 +83,7 @@ def test_soak_5000_short_requests_through_a_tiny_pool_leak_nothing(model):
     ]
     run_engine(engine, requests)
     assert all(r.status is RequestStatus.DONE and len(r.generated) == r.max_new_tokens for r in requests)
-    assert len(engine.finished) == 5000 and engine.allocator.num_free() == 12
+    assert len(engine.meter.done) == 5000 and engine.allocator.num_free() == 12
     assert sum(engine.allocator.ref_count) == 0
 
 
@@ -152,7 +152,7 @@ def test_a_request_is_refused_when_added_twice_or_after_it_finished(model):
     run_engine(engine, [])
     with pytest.raises(ValueError, match="added before .it is done."):
         engine.add(r)
-    assert len(r.generated) == 2 and len(engine.finished) == 1
+    assert len(r.generated) == 2 and r.status is RequestStatus.DONE
 
 
 def test_preemption_takes_the_newest_so_the_oldest_always_progresses(model):
@@ -199,8 +199,7 @@ def test_admission_leaves_the_watermark_and_each_forks_copy_free(model):
     engine.allocator.allocate(engine.allocator.num_free() - 10)  # 10 blocks left free
 
     def admits(num_tokens, n=1):
-        s = Request([1] * num_tokens, 1, SamplingParams(temperature=1.0, n=n)).sequences[0]
-        return engine.can_admit([s], [[]])
+        return engine.can_admit(Request([1] * num_tokens, 1, SamplingParams(temperature=1.0, n=n)).sequences[0], [])
 
     assert admits(32) and not admits(36)  # 8 blocks + 2 fit in 10; 9 + 2 do not
     assert admits(30) and not admits(30, n=3)  # 8 blocks, and 2 copies of the last, partly filled
