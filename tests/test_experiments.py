@@ -1,7 +1,8 @@
 """KV budgets, reservation baselines and online arrivals."""
 
-import hashlib
+import heapq
 import json
+import math
 import random
 
 import pytest
@@ -14,8 +15,9 @@ import generate
 from harness import serving
 from harness.contiguous import ContiguousEngine
 from harness.metrics import Meter
+from paged import blocks_for
 from scheduler import PagedEngine
-from sequence import Request, RequestStatus, SamplingParams
+from sequence import Request, RequestStatus, SamplingParams, SequenceStatus
 
 
 class FakeClock:
@@ -81,20 +83,157 @@ def test_no_request_is_scheduled_before_its_arrival_and_the_idle_engine_sleeps(m
     assert [r.generated for r in requests] == baseline(model, prompts, news)
 
 
-def test_rate_inf_and_no_budget_give_exactly_todays_outputs_and_step_counts(model):
-    """Pinned from the engines before arrivals and budgets existed (2026-11-22)."""
+# Every request at step 0, no KV budget: what each engine's schedule promises, on a seeded workload
+
+ROWS, BUDGET, BLOCK = 6, 16, 4
+
+
+def recomputed_greedy(model, prompt, max_new_tokens):
+    """Greedy decoding with no cache: the model runs over the whole sequence for every new token."""
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            tokens.append(int(model(torch.tensor([tokens]))[0][0, -1].argmax()))
+    return tokens[len(prompt) :]
+
+
+@pytest.fixture(scope="module")
+def all_at_once(model):
+    """20 prompts of 1-30 tokens, 1-20 new tokens each, and the recomputing oracle's greedy tokens for each."""
     rng = random.Random(11)
     prompts = [[rng.randrange(300) for _ in range(rng.randint(1, 30))] for _ in range(20)]
     news = [rng.randint(1, 20) for _ in prompts]
-    for engine, steps in [
-        (ContiguousEngine(model, max_batch=6), 38),
-        (PagedEngine(model, num_blocks=60, block_size=4, token_budget=16, max_batch=6), 45),
-        (PagedEngine(model, num_blocks=60, block_size=4, token_budget=16, max_batch=6, prefix_cache=False), 45),
-    ]:
-        requests, meter = make_requests(prompts, news), Meter(engine)
-        engine.run(requests)
-        digest = hashlib.md5(str([r.generated for r in requests]).encode()).hexdigest()[:10]
-        assert (len(meter.steps), digest) == (steps, "c9fcc87962")
+    return prompts, news, [recomputed_greedy(model, p, m) for p, m in zip(prompts, news)]
+
+
+def paged(model, prompts, news, prefix_cache=True):
+    """A paged engine whose pool holds every request at once: blocks never hold a request back."""
+    num_blocks = sum(blocks_for(len(p) + m - 1, BLOCK) for p, m in zip(prompts, news))
+    return PagedEngine(
+        model, num_blocks=num_blocks, block_size=BLOCK, token_budget=BUDGET, max_batch=ROWS, prefix_cache=prefix_cache
+    )
+
+
+def serve_all(engine, prompts, news, step_check=None):
+    """Every request added at once, greedy, and served -> the requests, the Meter and each step's plan sizes."""
+    requests, meter, sizes = make_requests(prompts, news), Meter(engine), []
+    schedule = engine.schedule
+
+    def recorded():
+        before = [s for s in engine.running if s.status is SequenceStatus.DECODING]
+        plan = schedule()
+        sizes.append(sum(n for _, n in plan))
+        if step_check:
+            step_check(engine, before, plan, len(sizes))
+        return plan
+
+    engine.schedule = recorded
+    engine.run(requests)
+    for r, m in zip(requests, news):  # each request generates exactly its max_new_tokens (no eos is set)
+        assert r.status is RequestStatus.DONE and len(r.generated) == m
+    return requests, meter, sizes
+
+
+@pytest.mark.parametrize("design", ["contiguous", "paged", "paged_prefix"])
+def test_every_engine_gives_the_recomputing_oracles_greedy_tokens_and_exactly_max_new_tokens(
+    model, all_at_once, design
+):
+    """float64: the contiguous baseline and the paged engine, with and without the prefix cache, all batching
+    differently, give for every request the tokens of a model that recomputes the whole sequence each step."""
+    prompts, news, oracle = all_at_once
+    if design == "contiguous":
+        engine = ContiguousEngine(model, max_batch=ROWS)
+    else:
+        engine = paged(model, prompts, news, prefix_cache=design == "paged_prefix")
+    requests, meter, _ = serve_all(engine, prompts, news)
+    for i, (r, want) in enumerate(zip(requests, oracle)):
+        assert r.generated == want, f"request {i} (prompt of {len(prompts[i])}) parts from the oracle"
+    assert meter.num_preemptions == 0
+
+
+def fifo_makespan(news, rows):
+    """Steps to serve requests of news[i] new tokens, in order, on `rows` rows, when the head of the queue takes
+    the first row free and holds it for exactly its new tokens' steps (its prefill step draws the first)."""
+    free = [0] * rows  # the step from which each row is free
+    for m in news:
+        heapq.heappush(free, heapq.heappop(free) + m)
+    return max(free)
+
+
+def test_the_contiguous_baseline_takes_exactly_the_steps_of_fifo_admission_on_its_rows(model, all_at_once):
+    """With no KV budget the baseline admits the head of the queue whenever a row is free, prefills it whole in
+    the step that admits it, and decodes every running sequence every step: each request holds a row for exactly
+    its max_new_tokens steps, so the run takes the makespan of first-come list scheduling, no step more or less,
+    and every step plans every running sequence's uncomputed tokens."""
+    prompts, news, _ = all_at_once
+
+    def every_sequence_runs(engine, decoding, plan, step):
+        assert len(engine.running) == min(ROWS, len(engine.running) + len(engine.waiting)), f"step {step}: a row idles"
+        assert sorted(n for _, n in plan) == sorted(s.num_uncomputed() for s in engine.running), f"step {step}"
+
+    _, meter, _ = serve_all(ContiguousEngine(model, max_batch=ROWS), prompts, news, every_sequence_runs)
+    assert len(meter.steps) == fifo_makespan(news, ROWS)
+
+
+def fills_the_budget_unless_nothing_more_can_run(engine, decoding, plan, step):
+    """The paged schedule's promise for one step: every decoding sequence's next token first; then prefill chunks
+    in admission order, only the last cut short by the budget; and budget left over only when nothing more could
+    run: every admitted prompt planned whole, and none waiting or every row taken (the pool holds every request
+    and no prompt shares a block, so neither blocks nor a prefix in flight hold the head of the queue back)."""
+    planned = {s: n for s, n in plan}
+    assert all(planned.get(s) == 1 for s in decoding), f"step {step}: a decoding sequence was left out"
+    prefilling = [s for s in engine.running if s.status is SequenceStatus.PREFILLING]  # in admission order
+    cut = [i for i, s in enumerate(prefilling) if planned.get(s, 0) < s.num_uncomputed()]
+    left = engine.token_budget - sum(planned.values())
+    if cut:  # the first prompt not planned whole took the budget's last tokens; the ones after it wait
+        assert left == 0 and not any(planned.get(s) for s in prefilling[cut[0] + 1 :]), f"step {step}: {plan}"
+    if left:
+        assert not engine.waiting or len(engine.running) == engine.max_batch, f"step {step}: {left} tokens unused"
+
+
+def test_paged_steps_fill_the_budget_unless_nothing_more_can_run_and_stay_within_their_bounds(model, all_at_once):
+    """Every step keeps the schedule's promise (fills_the_budget_unless_nothing_more_can_run), so the step count
+    lies within bounds that follow from the workload alone. W tokens go through the forward: every prompt
+    token and every new token but the last (none is computed twice: nothing is preempted or cached here).
+    Lower: a step computes at most BUDGET tokens, draws at most one token a sequence and one a row, so
+    steps >= max(W / BUDGET, max new tokens, total new tokens / ROWS). Upper: a step either fills the budget
+    (at most W // BUDGET of those) or plans every running sequence's tokens whole, so every running sequence
+    draws a token in it; then either every row runs (at most total new tokens // ROWS such steps) or no request
+    waits, which happens only after the last admission, while the sequences then running draw a token each step
+    (at most max new tokens steps). No prompt shares a full block, so the prefix cache finds nothing and the run
+    with it steps exactly as the run without it."""
+    prompts, news, _ = all_at_once
+    runs = []
+    for prefix_cache in (True, False):
+        engine = paged(model, prompts, news, prefix_cache)
+        _, meter, sizes = serve_all(engine, prompts, news, fills_the_budget_unless_nothing_more_can_run)
+        assert meter.num_preemptions == meter.cached_tokens == meter.recomputed_tokens == 0
+        runs.append(sizes)
+    work = sum(len(p) + m - 1 for p, m in zip(prompts, news))
+    assert sum(runs[0]) == work
+    lower = max(math.ceil(work / BUDGET), max(news), math.ceil(sum(news) / ROWS))
+    upper = work // BUDGET + sum(news) // ROWS + max(news)
+    assert lower <= len(runs[0]) <= upper, (lower, len(runs[0]), upper)
+    assert runs[0] == runs[1], "the prefix cache changed the schedule of prompts that share no block"
+
+
+def test_the_prefix_cache_computes_a_shared_prefix_once(model):
+    """8 prompts that share their first three blocks: with the prefix cache, every request after the first finds
+    all three cached (one whose next prefix block a running sequence is computing waits for it rather than
+    computing it too), so exactly 7 x 12 fewer prompt tokens go through the forward; the tokens stay the oracle's."""
+    rng = random.Random(12)
+    shared = [rng.randrange(300) for _ in range(3 * BLOCK)]
+    prompts = [shared + [i] + [rng.randrange(300) for _ in range(rng.randint(0, 9))] for i in range(8)]
+    news = [rng.randint(1, 12) for _ in prompts]
+    oracle = [recomputed_greedy(model, p, m) for p, m in zip(prompts, news)]
+    prefill = {}
+    for prefix_cache in (True, False):
+        requests, meter, _ = serve_all(paged(model, prompts, news, prefix_cache), prompts, news)
+        assert [r.generated for r in requests] == oracle and meter.num_preemptions == 0
+        prefill[prefix_cache] = meter.prefill_tokens
+        assert meter.cached_tokens == (len(shared) * (len(prompts) - 1) if prefix_cache else 0)
+    assert prefill[False] == sum(map(len, prompts))
+    assert prefill[True] == prefill[False] - len(shared) * (len(prompts) - 1)
 
 
 @pytest.fixture(scope="module")
