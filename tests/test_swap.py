@@ -3,6 +3,7 @@
 import json
 import random
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,12 +11,15 @@ from conftest import check_invariants, run_engine
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_fork import reference_beam_search, samples_as_separate_requests
+from test_readme_commands import readme_commands
 from test_robust import run_random_workload, workloads
 
 import generate
 from ext import ServingEngine
 from harness.observer import Observer
 from sequence import Request, SamplingParams
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def outputs(requests):
@@ -119,8 +123,21 @@ def test_a_swap_space_too_small_recomputes_the_victims_it_cannot_take_and_counts
     leaks_nothing(engine)
 
 
+@st.composite
+def pressed_workloads(draw):
+    """test_robust's workloads() under pressure: a pool at most 3 blocks above the largest request, at least two
+    rows, arrivals within 3 steps. About half the draws preempt, and swap (test_robust's own pools, rows and
+    arrivals: one in ten)."""
+    w = draw(workloads())
+    bs = w["block_size"]
+    fits_one = max(-(-(len(p) + m - 1) // bs) for p, m in zip(w["prompts"], w["news"]))
+    w.update(num_blocks=fits_one + draw(st.integers(0, 3)), max_batch=max(2, w["max_batch"]))
+    w["arrivals"] = [at // 4 for at in w["arrivals"]]
+    return w
+
+
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
-@given(w=workloads())
+@given(w=pressed_workloads())
 def test_random_workloads_with_swap_keep_invariants_and_match_the_baseline(model, w):
     leaks_nothing(run_random_workload(model, w, ServingEngine, swap_blocks=1 + w["num_blocks"] // 2))
 
@@ -193,9 +210,12 @@ def test_a_negative_swap_space_is_refused_in_one_line(model):
     ],
 )
 def test_bad_preemption_flags_get_one_line(argv, message, capsys):
+    """The command line exits with the one line (sys.exit prints it to stderr, status 1), before it loads or
+    serves anything."""
     with pytest.raises(SystemExit) as e:
-        generate.parse_args(["--paged", *argv])
+        generate.main(["--paged", *argv])
     assert str(e.value.code).startswith(message) and "\n" not in str(e.value.code)
+    assert capsys.readouterr().out == ""
 
 
 def test_generate_reports_swaps_in_the_json_and_the_table_and_says_when_it_fell_back(ckpt, tmp_path, capsys):
@@ -228,51 +248,75 @@ def test_check_invariants_catches_a_leaked_swap_block(model):
         check_invariants(engine)
 
 
-# The two experiments, on the shipped model (their length mixes are scaled to its 256-token context)
-
-BLOCK_SIZES = "1,2,4,8,16,32,64,128,256"
-README_COMMANDS = [  # as docs/block_size.md and docs/swap.md give them
-    f"--sweep-block-sizes {BLOCK_SIZES} --num-requests 128 --request-rate 256 --kv-budget 2048 --threads 1 --seed 1",
-    f"--sweep-preemption {BLOCK_SIZES} --num-requests 64 --request-rate 256 --kv-budget 1024 --threads 1 --seed 1",
-]
+# The two experiments, on the shipped model (their length mixes are scaled to its 256-token context), each run
+# with the command its doc gives, at two of its block sizes and with fewer requests
 
 
-@pytest.mark.parametrize("command", README_COMMANDS)
-def test_the_experiment_commands_parse(command, tmp_path, monkeypatch):
+def docs_command(doc, flag):
+    """The one `python generate.py FLAG ...` command of docs/DOC's code blocks, as its argv."""
+    text = (ROOT / "docs" / doc).read_text(encoding="utf-8")
+    found = [argv for script, argv in readme_commands(text) if script == "generate.py" and flag in argv]
+    assert len(found) == 1, f"docs/{doc} gives {len(found)} `python generate.py {flag} ...` commands, not one"
+    return found[0]
+
+
+def at_check_size(argv, flag, sizes, num_requests, tmp_path):
+    """argv, parsed with today's flags as the doc gives it (in tmp_path, where its output folder lands), then cut
+    to `sizes` of its block sizes and `num_requests` requests, its plot and JSON in tmp_path."""
+    given = generate.parse_args(argv)
+    assert given.compile == "off" and set(sizes) <= set(getattr(given, flag[2:].replace("-", "_")))
+    changes = {flag: ",".join(map(str, sizes)), "--num-requests": str(num_requests)}
+    changes.update({"--plot": str(tmp_path / "sweep.png"), "--json": str(tmp_path / "sweep.json")})
+    argv = list(argv)
+    for name, value in changes.items():
+        if name in argv:
+            argv[argv.index(name) + 1] = value
+        else:
+            argv += [name, value]
+    return given, argv
+
+
+def test_block_size_sweep_runs_both_mixes_at_every_block_size_and_plots_them(tmp_path, monkeypatch, capsys):
+    """docs/block_size.md's command, at block sizes 4 and 64 and 4 requests: both length mixes at each block size,
+    each run's figures, the table and the plot."""
     monkeypatch.chdir(tmp_path)
-    args = generate.parse_args([*command.split(), "--plot", "out/sweep.png", "--json", "out/sweep.json"])
-    assert args.compile == "off" and args.num_requests in (64, 128) and (tmp_path / "out").is_dir()
-
-
-def test_block_size_sweep_runs_both_mixes_at_every_block_size_and_plots_them(tmp_path, capsys):
-    out, png = tmp_path / "bs.json", tmp_path / "bs.png"
-    argv = ["--sweep-block-sizes", "4,64", "--num-requests", "4", "--kv-budget", "512", "--threads", "1"]
-    generate.main(argv + ["--json", str(out), "--plot", str(png)])
-    runs = json.loads(out.read_text())["block_sizes"]
+    given, argv = at_check_size(
+        docs_command("block_size.md", "--sweep-block-sizes"), "--sweep-block-sizes", [4, 64], 4, tmp_path
+    )
+    generate.main(argv)
+    runs = json.loads((tmp_path / "sweep.json").read_text())["block_sizes"]
     assert list(runs) == ["ShareGPT", "Alpaca"] and all(list(r) == ["4", "64"] for r in runs.values())
     for r in runs.values():
         assert all(m["normalized_latency_ms"] > 0 and m["block_size"] == int(b) for b, m in r.items())
+        assert all(
+            m["request_rate"] == given.request_rate and m["kv_budget_slots"] == given.kv_budget for m in r.values()
+        )
         assert r["64"]["kv_allocated_peak_mb"] >= r["4"]["kv_allocated_peak_mb"] > 0  # 64-token blocks waste more
     text = capsys.readouterr().out
-    assert "--- ShareGPT" in text and "--- Alpaca" in text and "1 threads" in text
-    assert png.stat().st_size > 10_000
+    assert "--- ShareGPT" in text and "--- Alpaca" in text and f"{given.threads} threads" in text
+    assert (tmp_path / "sweep.png").stat().st_size > 10_000
 
 
-def test_preemption_sweep_times_swap_and_recompute_and_runs_each_mode_under_pressure(tmp_path, capsys):
-    out, png = tmp_path / "swap.json", tmp_path / "swap.png"
-    argv = ["--sweep-preemption", "4,32", "--num-requests", "8", "--kv-budget", "256", "--threads", "1"]
-    generate.main(argv + ["--json", str(out), "--plot", str(png)])
-    points = json.loads(out.read_text())["preemption"]
+def test_preemption_sweep_times_swap_and_recompute_and_runs_each_mode_under_pressure(tmp_path, monkeypatch, capsys):
+    """docs/swap.md's command, at block sizes 4 and 32 and 16 requests (its KV budget kept): at each block size the
+    microbenchmark's times, and the workload under each preemption mode, each preempting, the same tokens out."""
+    monkeypatch.chdir(tmp_path)
+    given, argv = at_check_size(
+        docs_command("swap.md", "--sweep-preemption"), "--sweep-preemption", [4, 32], 16, tmp_path
+    )
+    generate.main(argv)
+    points = json.loads((tmp_path / "sweep.json").read_text())["preemption"]
     assert [p["block_size"] for p in points] == [4, 32]
     for p in points:
         assert p["swap_out_ms"] > 0 and p["swap_in_ms"] > 0 and p["recompute_ms"] > 0
         recompute, swap = p["recompute"], p["swap"]
         assert recompute["preemption"] == "recompute" and recompute["swapped_out_blocks"] == 0
-        assert swap["preemption"] == "swap" and swap["swap_blocks"] == 256 // p["block_size"]
-        assert swap["swap_fallbacks"] == 0 and (swap["swapped_out_blocks"] > 0) == (swap["preemptions"] > 0)
+        assert swap["preemption"] == "swap" and swap["swap_blocks"] == given.kv_budget // p["block_size"]
+        assert recompute["preemptions"] > 0 and recompute["recomputed_tokens"] > 0, p["block_size"]
+        assert swap["preemptions"] > 0 and swap["swapped_out_blocks"] > 0 and swap["swap_fallbacks"] == 0
         assert recompute["output_tokens"] == swap["output_tokens"]
-    assert points[0]["swap"]["preemptions"] > 0
-    assert "--- 16 sequences of 128 tokens preempted" in capsys.readouterr().out and png.stat().st_size > 10_000
+    assert "--- 16 sequences of 128 tokens preempted" in capsys.readouterr().out
+    assert (tmp_path / "sweep.png").stat().st_size > 10_000
 
 
 @pytest.mark.parametrize(
@@ -289,11 +333,12 @@ def test_preemption_sweep_times_swap_and_recompute_and_runs_each_mode_under_pres
         (["--sweep-block-sizes", "4", "--pool-map", "x.png"], "error: --pool-map needs --paged"),
     ],
 )
-def test_bad_sweeps_get_one_line(argv, message, tmp_path, monkeypatch):
+def test_bad_sweeps_get_one_line(argv, message, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as e:
-        generate.parse_args(argv)
+        generate.main(argv)
     assert message in str(e.value.code) and "\n" not in str(e.value.code)
+    assert capsys.readouterr().out == "" and not any(tmp_path.iterdir()), "a refused sweep ran or wrote"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
