@@ -1,23 +1,29 @@
-"""The README's commands still parse: every `python generate.py ...` and `python bench/fork_memory.py ...` line
-in its fenced code blocks goes through that script's own parse_args, without running anything, so that a
-renamed or removed flag fails here before a reader meets it. The checks run in a temporary folder, where the
-output folders parse_args makes (out/ ...) land instead of the repository."""
+"""The README's commands work with the code as it is. Every `python generate.py ...` and `python bench/NAME.py ...`
+command it gives, in a code block or inline, goes through that script's own argument parsing (no prefix matching)
+without running anything, so that a renamed or removed flag fails here before a reader meets it; the first-run
+command runs as the README gives it, and prints what the README shows of its output; the test command is the one
+CI runs, and collects this suite. Commands are found by what they run, not by the prose around them. The checks run
+in a temporary folder, where the output folders parsing makes (out/ ...) land instead of the repository."""
 
+import argparse
+import importlib
+import itertools
 import os
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 import generate
-from bench import fork_memory
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = {"generate.py": generate, "bench/fork_memory.py": fork_memory}
-OUTPUTS = {"--json": "json", "--plot": "plot", "--pool-map": "pool_map", "--export-hf": "export_hf"}
+SCRIPT = r"(generate\.py|bench/\w+\.py)"
+RUNS_A_SCRIPT = re.compile(r"python\S*\s+" + SCRIPT + r"(\s|$)")
+OUTPUTS = {"--json": "json", "--plot": "plot", "--pool-map": "pool_map", "--export-hf": "export_hf", "--out": "out"}
 SEPARATORS = {"&&", "||", ";", "|", "&"}
-RUNS_A_SCRIPT = re.compile(r"python\S*\s+(" + "|".join(re.escape(script) for script in SCRIPTS) + r")(\s|$)")
 
 
 def words(line):
@@ -28,14 +34,14 @@ def words(line):
     return list(lexer)
 
 
-def readme_commands(text):
-    """Every command in text's fenced code blocks that runs one of SCRIPTS, as (script, argv): lines that end
-    in a backslash joined to the next, a leading `$ ` prompt dropped, and each command of a `a && b` line
-    on its own."""
-    commands, fenced, line = [], False, ""
+def fenced_lines(text):
+    """Each shell line of text's fenced code blocks, as (block number, line): lines that end in a backslash joined
+    to the next, a leading `$ ` prompt dropped."""
+    lines, block, fenced, line = [], -1, False, ""
     for raw in text.splitlines():
         if raw.lstrip().startswith("```"):
             fenced, line = not fenced, ""
+            block += fenced
             continue
         if not fenced:
             continue
@@ -43,18 +49,51 @@ def readme_commands(text):
         if line.endswith("\\"):
             line = line[:-1] + " "
             continue
-        line, command = "", line.strip().removeprefix("$ ")
-        if not RUNS_A_SCRIPT.search(command):  # sample output and diagrams, whose quotes are no shell's
-            continue
-        segment = []
-        for word in words(command) + [";"]:
-            if word not in SEPARATORS:
-                segment.append(word)
-                continue
-            if len(segment) >= 2 and os.path.basename(segment[0]).startswith("python") and segment[1] in SCRIPTS:
-                commands.append((segment[1], segment[2:]))
+        lines.append((block, line.strip().removeprefix("$ ")))
+        line = ""
+    return lines
+
+
+def inline_spans(text):
+    """The `code spans` of text outside its fenced blocks, a span's line breaks as spaces."""
+    outside = re.sub(r"^\s*```.*?^\s*```", "", text, flags=re.DOTALL | re.MULTILINE)
+    return [span.replace("\n", " ").strip() for span in re.findall(r"`([^`]+)`", outside)]
+
+
+def shell_commands(line):
+    """A shell line's commands, each as its words: `a && b; c | d` gives four. A line the shell could not split (a
+    code block's sample output) gives none: a script's command lost so is caught by the first test below."""
+    try:
+        split = words(line)
+    except ValueError:  # an unclosed quote
+        return []
+    commands, segment = [], []
+    for word in split + [";"]:
+        if word not in SEPARATORS:
+            segment.append(word)
+        elif segment:
+            commands.append(segment)
             segment = []
     return commands
+
+
+def commands_of(line):
+    """Each `python ARGS` command of a shell line, as its words."""
+    return [c for c in shell_commands(line) if os.path.basename(c[0]).startswith("python")]
+
+
+def readme_commands(text, inline=False):
+    """Every command in text's fenced code blocks (and with inline=True, its code spans) that runs generate.py or a
+    script in bench/, as (script, argv). A span with a `...` word is an elision, not a command, and is left out;
+    lines that name no script (sample output, diagrams: their quotes are no shell's) are never split."""
+    lines = [line for _, line in fenced_lines(text)]
+    if inline:
+        lines += [span for span in inline_spans(text) if "..." not in span.split()]
+    found = []
+    for line in lines:
+        if RUNS_A_SCRIPT.search(line):
+            found += [(c[1], c[2:]) for c in commands_of(line) if len(c) > 1 and re.fullmatch(SCRIPT, c[1])]
+    return found
 
 
 def short(script, argv, head=50, tail=30):
@@ -71,64 +110,160 @@ def short(script, argv, head=50, tail=30):
     return f"{' '.join(parts[:first])} ... {' '.join(parts[-last:])}"
 
 
-COMMANDS = readme_commands((ROOT / "README.md").read_text(encoding="utf-8"))
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+# each once: the README gives some twice (`python generate.py --paged`, `python bench/gpu.py`)
+COMMANDS = [
+    (script, list(argv)) for script, argv in dict.fromkeys((s, tuple(a)) for s, a in readme_commands(README, True))
+]
+
+
+class Parsed(Exception):
+    def __init__(self, namespace):
+        super().__init__("parsed")
+        self.namespace = namespace
+
+
+PARSE_ARGS, PARSE_KNOWN_ARGS = argparse.ArgumentParser.parse_args, argparse.ArgumentParser.parse_known_args
 
 
 @pytest.fixture
 def exact_flags(monkeypatch):
-    """Both scripts' parsers with argparse's prefix matching off: otherwise a README flag that is now only the
-    start of a renamed one (--pool-map, after a rename to --pool-map-file) would still parse."""
-    for module in SCRIPTS.values():
-        make = module.parser
+    """Every parser with argparse's prefix matching off (otherwise a README flag that is now only the start of a
+    renamed one, --pool-map after a rename to --pool-map-file, would still parse), and its errors in one line."""
 
-        def exact(make=make):
-            p = make()
-            p.allow_abbrev = False
-            return p
+    def exact(self, args=None, namespace=None):
+        self.allow_abbrev = False
+        return PARSE_KNOWN_ARGS(self, args, namespace)
 
-        monkeypatch.setattr(module, "parser", exact)
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", exact)
+    monkeypatch.setattr(argparse.ArgumentParser, "error", lambda self, message: sys.exit(f"error: {message}"))
 
 
-def parse(script, argv):
-    """(None, the parsed flags) if the script's parse_args takes argv, else (its one-line error, None). It
-    makes output folders: run it in a temporary folder."""
+def script_module(script, monkeypatch):
+    """generate, or bench/NAME.py imported as bench.NAME (bench/ last on sys.path, for its scripts' imports of each
+    other by bare name)."""
+    if script == "generate.py":
+        return generate
+    monkeypatch.syspath_prepend(str(ROOT))  # as each script puts the repository first
+    monkeypatch.setattr(sys, "path", [*sys.path, str(ROOT / "bench")])
+    return importlib.import_module("bench." + Path(script).stem)
+
+
+def parse(script, argv, monkeypatch):
+    """(None, the parsed flags) if the script takes argv, else (its one-line error, None); (None, None) for --help.
+    A script's own parse_args checks its flags together; a script whose main() builds its parser runs main() until
+    its parser has parsed, and stops there. It makes output folders: run it in a temporary folder."""
+    module = script_module(script, monkeypatch)
     try:
-        return None, SCRIPTS[script].parse_args(argv)
+        if hasattr(module, "parse_args"):
+            return None, module.parse_args(argv)
+        if hasattr(module, "parser"):
+            return None, module.parser().parse_args(argv)
+        with monkeypatch.context() as m:
+            m.setattr(sys, "argv", [script, *argv])
+
+            def parsed(self, args=None, namespace=None):
+                raise Parsed(PARSE_ARGS(self, args, namespace))
+
+            m.setattr(argparse.ArgumentParser, "parse_args", parsed)
+            module.main()
+        raise AssertionError(f"{script}'s main() returned without parsing its arguments")
+    except Parsed as p:
+        return None, p.namespace
     except SystemExit as e:
-        return str(e.code), None
+        return (None if e.code in (0, None) else str(e.code)), None
 
 
-def test_the_readme_names_the_experiments():
-    """Were the README's layout to change so that readme_commands found nothing, the test below would pass with
-    no case: this one fails instead."""
-    found = [script for script, _ in COMMANDS]
-    assert found.count("generate.py") >= 8 and found.count("bench/fork_memory.py") >= 1, found
+def test_every_line_that_runs_a_script_gives_its_commands():
+    """Each code-block line and inline span that runs generate.py or a bench script gives at least one command to
+    the test below: a README laid out so that a command is missed fails here, instead of a test with fewer cases."""
+    lines = [line for _, line in fenced_lines(README)] + [s for s in inline_spans(README) if "..." not in s.split()]
+    missed = [line for line in lines if RUNS_A_SCRIPT.search(line) and not readme_commands(f"```\n{line}\n```")]
+    assert not missed, missed
+    assert {script for script, _ in COMMANDS} >= {"generate.py"}, "the README gives no generate.py command"
 
 
 @pytest.mark.parametrize("script, argv", COMMANDS, ids=[short(*c) for c in COMMANDS])
 def test_readme_command_parses_and_can_write_its_outputs(script, argv, tmp_path, monkeypatch, exact_flags):
-    monkeypatch.chdir(tmp_path)  # out/... resolves here: parse_args makes output folders
+    monkeypatch.chdir(tmp_path)  # out/... resolves here: parsing makes output folders
     if "--prompts" in argv:  # parse_args does not read it, but the command names it: give it one prompt
         prompts = tmp_path / argv[argv.index("--prompts") + 1]
         prompts.parent.mkdir(parents=True, exist_ok=True)
         prompts.write_text("ROMEO:\n", encoding="utf-8")
-    error, args = parse(script, argv)
+    error, args = parse(script, argv, monkeypatch)
     assert error is None, f"the README's `{shlex.join([script, *argv])}` is refused: {error}"
     for flag, name in OUTPUTS.items():
-        path = getattr(args, name, None)
+        path = getattr(args, name, None) if flag in argv else None
         if not path:
             continue
         folder = (tmp_path / path).resolve().parent  # an absolute path stays itself
         assert folder.is_relative_to(tmp_path.resolve()), f"{flag} {path} writes outside the working folder"
-        if flag == "--export-hf":  # export_hf makes DIR itself, when it runs; parse_args makes nothing
-            os.makedirs(folder, exist_ok=True)
+        os.makedirs(folder, exist_ok=True)  # a script that makes it when it runs (export_hf, bench/gpu.py's --out)
         assert folder.is_dir() and os.access(folder, os.W_OK), f"{flag} {path}: no writable folder {folder}"
 
 
-def test_a_renamed_or_unknown_flag_in_a_readme_command_is_refused(tmp_path, monkeypatch, exact_flags):
-    """The check above has teeth: README-like lines with stale flags are found, and each is refused."""
+def test_the_install_steps_name_files_that_exist_and_end_in_the_first_run(tmp_path, monkeypatch, capsys):
+    """The README's first code block that installs with pip: every `-r FILE` it installs is in the repository, and
+    its last command is the first run, `python generate.py ...`. That command runs here exactly as given, and each
+    `--- ` line the README shows of its output (the next code block that holds such lines) starts a line of what it
+    printed, up to its timing (` in `: seconds and speed differ by machine)."""
+    blocks = {}
+    for block, line in fenced_lines(README):
+        blocks.setdefault(block, []).append(line)
+    installs = [
+        b for b, lines in blocks.items() if any(c[:2] == ["pip", "install"] for x in lines for c in shell_commands(x))
+    ]
+    assert installs, "the README gives no `pip install` in a code block"
+    lines = blocks[installs[0]]
+    for c in (c for line in lines for c in shell_commands(line) if c[:2] == ["pip", "install"]):
+        for flag, value in itertools.pairwise(c):
+            if flag in ("-r", "--requirement"):
+                assert (ROOT / value).is_file(), f"the README installs `-r {value}`, which is not in the repository"
+    first_run = [c for c in commands_of(lines[-1]) if c[1:2] == ["generate.py"]]
+    assert first_run, f"the install block ends in `{lines[-1]}`, not a `python generate.py` command"
     monkeypatch.chdir(tmp_path)
-    text = """Some text, and `python generate.py --not-in-a-block` inline, which is not a command.
+    generate.main(first_run[-1][2:])
+    printed = capsys.readouterr().out.splitlines()
+    assert printed, "the first run printed nothing"
+    outputs = [[x for x in lines if x.startswith("--- ")] for b, lines in blocks.items() if b > installs[0]]
+    for line in next((shown for shown in outputs if shown), []):
+        head = line.split(" in ")[0]
+        tail = "\n".join(p for p in printed if p.startswith("--- "))
+        assert any(p.startswith(head) for p in printed), (
+            f"the README shows `{line}`; the first run printed, of its `--- ` lines:\n{tail}"
+        )
+
+
+def test_the_readme_test_command_is_what_ci_runs_and_collects_this_suite():
+    """The last command of .ci/run (python3 there, python here) is a `python -m pytest ...` command of the README's
+    code blocks, and run from the repository's root it collects this file's tests."""
+    found = [c[1:] for _, line in fenced_lines(README) for c in commands_of(line) if c[1:3] == ["-m", "pytest"]]
+    ci = [words(line) for line in (ROOT / ".ci" / "run").read_text().splitlines() if "pytest" in words(line)[2:3]]
+    assert ci, ".ci/run runs no `python3 -m pytest`"
+    command = ci[-1]
+    assert command[1:] in found, f"CI runs `{shlex.join(command)}`; the README's pytest commands: {found}"
+    run = subprocess.run(
+        [sys.executable, *command[1:], "--collect-only", "-p", "no:cacheprovider"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert (
+        f"tests/{Path(__file__).name}::test_the_readme_test_command_is_what_ci_runs_and_collects_this_suite"
+        in run.stdout
+    )
+
+
+def test_a_renamed_or_unknown_flag_in_a_readme_command_is_refused(tmp_path, monkeypatch, exact_flags):
+    """The check above has teeth: README-like lines with stale flags are found, in code blocks and code spans, and
+    each is refused, by generate.py, by a bench script's parse_args and by one whose main() builds its parser."""
+    monkeypatch.chdir(tmp_path)
+    text = """Some text, and `python generate.py --paged --num-request 4 ...` inline, an elision, which is not a command;
+`python bench/speculation.py --k 4` is one, and so is `python
+bench/gpu.py --section tests`, broken over two lines.
 
 ```bash
 $ python generate.py --compare --num-requests 128 \\
@@ -139,13 +274,15 @@ python bench/fork_memory.py --plot out/fork.xyz
 python bench/fork_memory.py --plot /dev/null/out/fork.png
 ```
 """
-    commands = readme_commands(text)
+    commands = readme_commands(text, inline=True)
     assert commands == [
         ("generate.py", ["--compare", "--num-requests", "128", "--plot-file", "out/mixed.png"]),
         ("generate.py", ["--paged", "--num-request", "4"]),
         ("bench/fork_memory.py", ["--plots", "out/fork.png"]),
         ("bench/fork_memory.py", ["--plot", "out/fork.xyz"]),
         ("bench/fork_memory.py", ["--plot", "/dev/null/out/fork.png"]),
+        ("bench/speculation.py", ["--k", "4"]),
+        ("bench/gpu.py", ["--section", "tests"]),
     ]
     expected = [
         "error: unrecognized arguments: --plot-file out/mixed.png",
@@ -153,17 +290,22 @@ python bench/fork_memory.py --plot /dev/null/out/fork.png
         "error: unrecognized arguments: --plots out/fork.png",
         "error: --plot out/fork.xyz: the file name must end in one of .",
         "error: --plot /dev/null/out/fork.png: cannot make the folder /dev/null/out: Not a directory",
+        "error: unrecognized arguments: --k 4",
+        "error: unrecognized arguments: --section tests",
     ]
     for (script, argv), start in zip(commands, expected):
-        error, _ = parse(script, argv)
+        error, _ = parse(script, argv, monkeypatch)
         assert error is not None and error.startswith(start) and "\n" not in error, (argv, error)
     assert not (tmp_path / "out").exists(), "a refused command made its output folder"
+    assert readme_commands(text) == commands[:5], "without inline=True, only the code blocks' commands"
 
 
-def test_fork_memory_makes_its_plot_folder_before_the_run(tmp_path):
+def test_fork_memory_makes_its_plot_folder_before_the_run(tmp_path, monkeypatch):
+    from bench import fork_memory
+
     path = tmp_path / "new" / "folder" / "fork.png"
     args = fork_memory.parse_args(["--plot", str(path), "--num-requests", "4", "--prompt-len", "8:32"])
     assert path.parent.is_dir() and not path.exists()
     assert (args.num_requests, args.prompt_len, args.new_tokens) == (4, (8, 32), (16, 128))
-    error, _ = parse("bench/fork_memory.py", ["--num-requests", "0"])
+    error, _ = parse("bench/fork_memory.py", ["--num-requests", "0"], monkeypatch)
     assert error == "error: argument --num-requests: 0 is below 1"
