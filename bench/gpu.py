@@ -1,25 +1,39 @@
-"""The engine on a CUDA GPU in one command: decode attention against SDPA on a contiguous cache (with two
-candidates: a split by block, and flex_attention reading the pool in place through a block mask made from the
-block table), one decode step eager against its captured CUDA graph, the host side of a step, and end to end
-against Hugging Face's generate with a static cache (compiled, CUDA graphs) and a dynamic one, with where our
-run's time goes by kind of step. GPT-2 small's shape (12 x 768, vocabulary 50,257), random weights, bf16, greedy.
+"""The engine on a CUDA GPU in one command, each section's tables written to --out DIR (DIR/SECTION.md) line by
+line as they are measured, so that a run cut short keeps what it measured. The sections, in the order they run:
+    tests       the suite's CUDA tests, python -m pytest -q tests -k cuda (-n 4 where pytest-xdist is installed)
+    hf_equal    float32 greedy: ours with graphs against HF's GPT2LMHeadModel (dynamic cache), token for token
+    e2e         end to end, 256 requests: ours with graphs, HF's static cache (compiled: CUDA graphs) and its
+                dynamic cache, alternated; then where one more run of ours spends its time, by kind of step
+    candidates  end to end, the same workload: ours against the CUDA extension's two candidates, async_steps=True
+                and decode_attention="flex", and both, alternated
+    attention   decode attention, one layer: gather_attend, a split by block, flex_attention through a block mask,
+                gather + SDPA, against SDPA over a contiguous cache
+    step        one decode step, eager against its captured graph (not in the default run)
+    host        the host side of a step, bench/host_step.py (not in the default run)
+GPT-2 small's shape (12 x 768, vocabulary 50,257), random weights, bf16, greedy. Ours is the engine
+`generate.py --compile graph` builds, ext.engine_class(compile="graph"); the candidates are its switches.
 
-    python bench/gpu.py [--out out/gpu.md] [--sections tests,step,e2e,attention,hf_equal,host,after_hf]
-    python bench/gpu.py --sections attention,e2e_flex --out out/gpu_flex.md  # flex: a process of its own
+    python3 bench/gpu.py --out DIR [--sections tests,hf_equal,e2e,candidates,attention] [--budget-s 500]
+    python bench/gpu.py --dry-run [--out DIR]   # every section on the CPU at a tiny shape, in about a minute
 
-e2e runs ours beside async scheduling, then HF; e2e_flex runs ours beside the two flex candidates, compiling flex
-for each batch bucket, and must not follow HF's compile in one process (an illegal memory access once did).
+With more than one section, each runs in a process of its own: a CUDA fault (an illegal memory access once
+followed HF's compile in one process) ends only its section, and no section runs after HF's compile in its
+process but e2e's own. --budget-s bounds the whole run: a section may take what is left less --reserve-s for
+each section after it, and is stopped there (its file keeps what it measured); the last lines printed name the
+sections to run again. docs/gpu.md has the command a GPU lease runs.
 
-Writes its tables to --out as it goes (a run cut short keeps what it measured). Needs transformers for e2e and
-hf_equal. The tests section runs the suite's CUDA tests first: python -m pytest -q tests -k cuda
-
-Ours is ext.ServingEngine with compile="graph", as the candidates subclass it: `generate.py --compile graph`
-builds PagedEngine with the CUDA extension alone (ext.engine_class), the same tokens with the other extensions idle.
+--dry-run runs the same code on the CPU at a tiny shape (2 layers x 32, a handful of requests and steps) with
+what only CUDA has left out: no graphs captured (padded steps run eagerly), the wall clock for CUDA events,
+flex_attention eager (ext/flex_decode.py's flex_attend), HF's static cache uncompiled (transformers compiles it
+on CUDA only), and the pool sized to the workload instead of free GPU memory (harness/serving.py's cuda_defaults).
 """
 
 import argparse
 import functools
+import importlib.util
+import math
 import os
+import platform
 import random
 import statistics
 import subprocess
@@ -29,39 +43,95 @@ import traceback
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from bench.async_step import AsyncPagedEngine
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
 from engine import PlanEntry, Sampler
-from ext import ServingEngine
+from ext import engine_class
 from ext.cuda import GraphBatch
+from ext.flex_decode import flex_attend, flex_block_mask
+from harness.checkpoints import to_transformers
 from harness.serving import cuda_defaults
 from model import GPT, GPTConfig, attend
 from paged import BlockAllocator, blocks_for, compiled_gather_attend, gather_kv
 from sequence import Request
 
-CONFIG = dict(block_size=1024, vocab_size=50257, n_layer=12, n_head=12, n_embd=768, gelu="tanh")
-OUT = []
+# the run's shape: GPT-2 small's on a GPU, a tiny one for --dry-run
+GPU = dict(
+    config=dict(block_size=1024, vocab_size=50257, n_layer=12, n_head=12, n_embd=768, gelu="tanh"),
+    requests=256,  # end to end: prompts of 16-512 random ids, 16-256 new tokens each
+    prompt=(16, 512),
+    new=(16, 256),
+    repeats=3,
+    equal=(16, 64),  # hf_equal: 16 prompts, at most 64 new tokens each
+    attention=[(B, L) for B in (1, 16, 64, 256) for L in (1024, 4096)],
+    heads=(12, 64),
+    steps=[(1, 256), (16, 256), (64, 256), (256, 256), (64, 1000), (256, 1000)],
+    host_requests=256,
+    copy=2**30,  # elements of the copy that measures bandwidth: 2 GB in bf16
+)
+DRY = dict(
+    config=dict(block_size=64, vocab_size=512, n_layer=2, n_head=2, n_embd=32, gelu="tanh"),
+    requests=6,
+    prompt=(4, 24),
+    new=(2, 8),
+    repeats=2,
+    equal=(3, 8),
+    attention=[(1, 32), (3, 64)],
+    heads=(2, 8),
+    steps=[(1, 16), (3, 40)],
+    host_requests=4,
+    copy=2**16,
+)
+SHAPE = GPU
+DEVICE = torch.device("cuda")
+OURS_FIRST = False  # e2e: all of ours' runs before HF's compile (--ours-first)
+FILE = None  # the running section's file: say() rewrites it with every line
+LINES = []
 
 
-def say(line="", out=None):
+def say(line=""):
     print(line, flush=True)
-    OUT.append(line)
-    if out:
-        with open(out, "w") as f:
-            f.write("\n".join(OUT) + "\n")
+    LINES.append(line)
+    if FILE:
+        with open(FILE, "w") as f:
+            f.write("\n".join(LINES) + "\n")
 
 
-def gpt2_small(dtype):
+def on_cuda():
+    return DEVICE.type == "cuda"
+
+
+def sync():
+    if on_cuda():
+        torch.cuda.synchronize()
+
+
+def free_cached_memory():
+    if on_cuda():
+        torch.cuda.empty_cache()
+
+
+def gpt_model(dtype):
     torch.manual_seed(0)
-    return GPT(GPTConfig(**CONFIG)).to("cuda", dtype).eval()
+    return GPT(GPTConfig(**SHAPE["config"])).to(DEVICE, dtype).eval()
+
+
+def ours(model, sizes, **switches):
+    """The engine `generate.py --compile graph` builds (with blocks of 16), with the candidates' switches."""
+    return engine_class(compile="graph")(model, block_size=16, compile="graph", **sizes, **switches)
 
 
 def time_ms(fn, iters=20):
-    """Mean milliseconds of fn() over iters calls, after 3 untimed, between CUDA events."""
+    """Mean milliseconds of fn() over iters calls, after 3 untimed: between CUDA events on CUDA, else by the wall
+    clock."""
     for _ in range(3):
         fn()
+    if not on_cuda():
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - start) * 1e3 / iters
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     start.record()
@@ -73,8 +143,8 @@ def time_ms(fn, iters=20):
 
 
 def copy_bandwidth():
-    """TB/s of a device-to-device copy of 2 GB, bytes read and written: the ceiling a memory-bound step meets."""
-    a = torch.empty(2**30, dtype=torch.bfloat16, device="cuda")
+    """TB/s of a device-to-device copy, bytes read and written: the ceiling a memory-bound step meets."""
+    a = torch.empty(SHAPE["copy"], dtype=torch.bfloat16, device=DEVICE)
     b = torch.empty_like(a)
     return 2 * a.numel() * 2 / time_ms(lambda: b.copy_(a)) / 1e9
 
@@ -101,81 +171,16 @@ def compiled_split():
     return torch.compile(gather_attend_split)
 
 
-def flex_block_mask(block_table, kv_len, num_pool_blocks, block_size):
-    """A candidate, not in the engine: flex_attention's block mask for decode rows that read the pool in place,
-    flattened to slots (num_pool_blocks * block_size keys) -> BlockMask. Row b's key blocks are its own blocks,
-    all through mask_mod, which is exact on its own (it finds each slot's place in the row's sequence), as eager
-    flex_attention applies it to every key. No block is marked whole: flex's decoding kernel then splits each
-    row's own blocks among its programs (with whole blocks it splits the pool's length, KV_LEN, and a row's
-    blocks all fall to one), and it needs whole and partial index tables of one shape.
-    block_table: (B, W), its entries past a row's blocks stale or padding; kv_len: (B,). Built once a step."""
-    B, W = block_table.shape
-    logical = torch.arange(W, device=block_table.device)
-    num_blocks = -(-kv_len // block_size)  # (B,)
-    held = logical < num_blocks[:, None]  # (B, W)
-    table = torch.where(held, block_table.long(), num_pool_blocks - 1)  # stale entries: the padding block
-    # (B, pool blocks + 1): each block's index in row b, or -1; entries past a row's blocks land in the extra
-    # column, so that none overwrites a block the row holds (a padding row holds the padding block)
-    place = torch.full((B, num_pool_blocks + 1), -1, device=block_table.device, dtype=torch.long)
-    place.scatter_(1, torch.where(held, table, num_pool_blocks), logical.expand(B, W).contiguous())
-
-    def visible(b, h, q_idx, kv_idx):
-        j = place[b, kv_idx // block_size]
-        return (j >= 0) & (j * block_size + kv_idx % block_size < kv_len[b])
-
-    return BlockMask.from_kv_blocks(
-        num_blocks.int().view(B, 1, 1),
-        table.int().view(B, 1, 1, W),
-        BLOCK_SIZE=(128, block_size),
-        mask_mod=visible,
-        seq_lengths=(1, num_pool_blocks * block_size),
-        compute_q_blocks=False,
-    )
-
-
-def flex_paged_attend(q, k_pool, v_pool, block_mask):
-    """The candidate's attention, one layer: q (B, H, D), pools (num_pool_blocks, block_size, H, D) -> (B, H, D)."""
-    k, v = (pool.flatten(0, 1).transpose(0, 1)[None] for pool in (k_pool, v_pool))  # (1, H, slots, D): no copy
-    return flex_attention(q[:, :, None], k, v, block_mask=block_mask)[:, :, 0]
-
-
-@functools.cache
-def compiled_flex():
-    """Static shapes: flex_attention's decoding kernel needs the batch and heads fixed (else its general one)."""
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    return torch.compile(flex_paged_attend, dynamic=False)
-
-
-class FlexBatch(GraphBatch):
-    """The flex candidate in a whole step: a padded decode-only step (a graph's) attends through flex_attention,
-    its block mask built at the first layer from the graph's fixed inputs, so a captured graph builds it too."""
-
-    def attend_one_token(self, layer, q):
-        if layer == 0:
-            num_pool_blocks, block_size = self.k_pool.shape[1:3]
-            self.block_mask = flex_block_mask(self.one_token_table, self.one_token_len, num_pool_blocks, block_size)
-        return compiled_flex()(q, self.k_pool[layer], self.v_pool[layer], self.block_mask)
-
-
-class FlexEngine(ServingEngine):
-    """The engine with FlexBatch in its padded (graph) steps; every other step attends as the engine's own."""
-
-    graph_batch_class = FlexBatch
-
-
-class AsyncFlexEngine(AsyncPagedEngine):
-    graph_batch_class = FlexBatch
-
-
-def attention_row(B, L, H=12, D=64, block_size=16):
+def attention_row(B, L, block_size=16):
     """One layer's decode attention at batch B and context L, five ways -> a cell for each, "ms, TB/s", each
     way's output checked against SDPA's; then the flex candidate's block mask, built once a step, in ms."""
+    H, D = SHAPE["heads"]
     W = L // block_size
-    k_pool = torch.randn(B * W + 1, block_size, H, D, device="cuda", dtype=torch.bfloat16)
+    k_pool = torch.randn(B * W + 1, block_size, H, D, device=DEVICE, dtype=torch.bfloat16)
     v_pool = torch.randn_like(k_pool)
-    table = torch.randperm(B * W, device="cuda").view(B, W)
-    kv_len = torch.full((B,), L, device="cuda")
-    q = torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16)
+    table = torch.randperm(B * W, device=DEVICE).view(B, W)
+    kv_len = torch.full((B,), L, device=DEVICE)
+    q = torch.randn(B, H, D, device=DEVICE, dtype=torch.bfloat16)
     for t in (q, table, kv_len, k_pool, v_pool):  # as the engine marks them
         torch._dynamo.maybe_mark_dynamic(t, 0)
     torch._dynamo.maybe_mark_dynamic(table, 1)
@@ -185,7 +190,7 @@ def attention_row(B, L, H=12, D=64, block_size=16):
     ways = (
         lambda: compiled_gather_attend()(q, k_pool, v_pool, table, kv_len),
         lambda: compiled_split()(q, k_pool, v_pool, table, kv_len),
-        lambda: compiled_flex()(*flex_inputs, mask),
+        lambda: flex_attend(DEVICE)(*flex_inputs, mask),  # compiled on CUDA, as decode_attention="flex" runs it
         lambda: attend(q[:, None], gather_kv(k_pool, table), gather_kv(v_pool, table), kv_len[:, None] - 1)[:, 0],
         lambda: F.scaled_dot_product_attention(q[:, :, None], k, v)[:, :, 0],
     )
@@ -206,17 +211,16 @@ def attention_row(B, L, H=12, D=64, block_size=16):
     return cells + [f"{mask_ms:.3f}"]
 
 
-def attention_table(out):
-    """Decode attention, one layer (12 heads x 64, bf16, blocks of 16 in random order): the engine's compiled
-    gather_attend, a split-by-block candidate, a flex_attention candidate reading the pool in place, and eager
-    gather + SDPA, against SDPA over a contiguous cache; K+V bytes / time."""
+def attention_table():
+    """Decode attention, one layer (bf16, blocks of 16 in random order): the engine's compiled gather_attend, a
+    split-by-block candidate, decode_attention="flex" reading the pool in place, and eager gather + SDPA, against
+    SDPA over a contiguous cache; K+V bytes / time."""
     ways = "gather_attend (compiled) | split by block (compiled) | flex paged (compiled) | gather + SDPA (eager)"
-    say(f"| B | L | {ways} | SDPA contiguous: ms, TB/s each | flex mask ms |", out)
-    say("|---|---|---|---|---|---|---|---|", out)
-    for B in (1, 16, 64, 256):
-        for L in (1024, 4096):
-            say(f"| {B} | {L} | {' | '.join(attention_row(B, L))} |", out)
-            torch.cuda.empty_cache()
+    say(f"| B | L | {ways} | SDPA contiguous: ms, TB/s each | flex mask ms |")
+    say("|---|---|---|---|---|---|---|---|")
+    for B, L in SHAPE["attention"]:
+        say(f"| {B} | {L} | {' | '.join(attention_row(B, L))} |")
+        free_cached_memory()
 
 
 def decode_batch(engine, B, L, rng):
@@ -225,7 +229,7 @@ def decode_batch(engine, B, L, rng):
     blocks = rng.sample(range(engine.allocator.num_blocks), B * W)
     plan, samplers = [], []
     for i in range(B):
-        s = Request([rng.randrange(50257) for _ in range(L + 1)], 2).sequences[0]
+        s = Request([rng.randrange(SHAPE["config"]["vocab_size"]) for _ in range(L + 1)], 2).sequences[0]
         s.row, s.num_computed, s.block_table = i, L, blocks[i * W : (i + 1) * W]
         engine.block_tables[i, :W] = torch.tensor(s.block_table)
         plan.append(PlanEntry(s, 1))
@@ -243,7 +247,8 @@ def step_row(engine, batch, B, L, weights, bandwidth):
 
     same = torch.equal(eager(), graph())
     eager_ms, graph_ms = time_ms(eager), time_ms(graph)
-    moved = weights + 2 * CONFIG["n_layer"] * B * (L + 1) * CONFIG["n_embd"] * 2
+    c = SHAPE["config"]
+    moved = weights + 2 * c["n_layer"] * B * (L + 1) * c["n_embd"] * 2
     bound_ms = moved / bandwidth / 1e9
     return (
         f"| {B} | {L} | {batch.padded_shape} | {eager_ms:.2f} | {graph_ms:.2f} | {eager_ms / graph_ms:.1f}x | "
@@ -251,61 +256,61 @@ def step_row(engine, batch, B, L, weights, bandwidth):
     )
 
 
-def step_table(out, bandwidth):
-    """One decode step (forward + argmax) at GPT-2 small's shape, eager against its captured graph."""
-    model = gpt2_small(torch.bfloat16)
+def step_table():
+    """One decode step (forward + argmax), bf16, eager against its captured graph."""
+    bandwidth = copy_bandwidth()
+    say(f"device-to-device copy: {bandwidth:.2f} TB/s (read + write)")
+    model = gpt_model(torch.bfloat16)
+    rows = SHAPE["steps"]
+    num_blocks = max(B * blocks_for(L + 1, 16) for B, L in rows) + 8
     start = time.perf_counter()
-    engine = ServingEngine(model, num_blocks=256 * 63 + 8, max_batch=256, token_budget=4096, compile="graph")
-    say(
-        f"captured {len(engine.graphs)} graphs (batches {engine.graph_batches}) in {time.perf_counter() - start:.1f} s",
-        out,
-    )
+    engine = ours(model, dict(num_blocks=num_blocks, max_batch=max(B for B, _ in rows), token_budget=4096))
+    say(f"captured {len(engine.graphs)} graphs (batches {engine.graph_batches}) in {time.perf_counter() - start:.1f} s")
     weights = sum(p.numel() for p in model.parameters()) * 2
-    say(
-        "| B | L | shape | eager ms | graph ms | speedup | GB moved | graph TB/s | graph / memory bound "
-        "| same tokens |",
-        out,
-    )
-    say("|---|---|---|---|---|---|---|---|---|---|", out)
+    header = "| B | L | shape | eager ms | graph ms | speedup | GB moved | graph TB/s | graph / memory bound "
+    say(header + "| same tokens |")
+    say("|---|---|---|---|---|---|---|---|---|---|")
     rng = random.Random(0)
-    for B, L in ((1, 256), (16, 256), (64, 256), (256, 256), (64, 1000), (256, 1000)):
-        say(step_row(engine, decode_batch(engine, B, L, rng), B, L, weights, bandwidth), out)
-    del engine
-    torch.cuda.empty_cache()
+    for B, L in rows:
+        say(step_row(engine, decode_batch(engine, B, L, rng), B, L, weights, bandwidth))
 
 
-def workload(seed, n=256):
+def workload(seed, n=None):
+    """n requests (the shape's count): prompts of random ids and new-token counts, seeded."""
     rng = random.Random(seed)
-    prompts = [[rng.randrange(50257) for _ in range(rng.randint(16, 512))] for _ in range(n)]
-    return prompts, [rng.randint(16, 256) for _ in range(n)]
+    vocab = SHAPE["config"]["vocab_size"]
+    n = n or SHAPE["requests"]
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(*SHAPE["prompt"]))] for _ in range(n)]
+    return prompts, [rng.randint(*SHAPE["new"]) for _ in range(n)]
+
+
+def engine_sizes(model, prompts, news):
+    """On CUDA, its defaults (256 sequences, 4,096 tokens a step, a pool in free memory as large as the workload
+    needs); on a CPU (--dry-run), a few batch buckets and prompts in chunks."""
+    needed = sum(blocks_for(len(p) + n, 16) for p, n in zip(prompts, news))
+    if on_cuda():
+        return cuda_defaults(model, 16, needed)
+    return dict(max_batch=4, token_budget=32, num_blocks=needed)
 
 
 def hf_model(model, dtype):
-    from transformers import GPT2Config, GPT2LMHeadModel
+    import transformers
 
-    c = CONFIG
-    config = GPT2Config(vocab_size=c["vocab_size"], n_positions=c["block_size"], n_embd=c["n_embd"],
-                        n_layer=c["n_layer"], n_head=c["n_head"], activation_function="gelu_new",
-                        resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)  # fmt: skip
-    hf = GPT2LMHeadModel(config)
-    state = {k: v.t() if k.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")) else v
-             for k, v in model.state_dict().items()}  # fmt: skip
-    hf.load_state_dict(state, strict=False)
-    hf.generation_config.eos_token_id = None  # like ours, generate exactly the asked-for count
-    return hf.to("cuda", dtype).eval()
+    say(f"transformers {transformers.__version__}")
+    return to_transformers(model).to(DEVICE, dtype).eval()
 
 
 @torch.no_grad()
 def run_hf(hf, prompts, news, **kw):
     """One left-padded batch run to the longest request -> (seconds, each output cut to its own count)."""
     width = max(map(len, prompts))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device="cuda")
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device="cuda")
-    torch.cuda.synchronize()
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=DEVICE)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=DEVICE)
+    sync()
     start = time.perf_counter()
     out = hf.generate(ids, attention_mask=mask, max_new_tokens=max(news), min_new_tokens=max(news), pad_token_id=0,
                       do_sample=False, **kw)  # fmt: skip
-    torch.cuda.synchronize()
+    sync()
     return time.perf_counter() - start, [out[i, width : width + m].tolist() for i, m in enumerate(news)]
 
 
@@ -352,200 +357,282 @@ def time_steps(engine):
     return steps
 
 
-def breakdown_table(steps, out):
+def breakdown_table(steps):
     """Where a run's time went, by kind of step (time_steps)."""
     total = sum(sum(phases) for _, phases in steps)
-    say(
-        "| steps | count | ms | share | ms a step | before the forward | forward launch | sampling + wait | rest |", out
-    )
-    say("|---|---|---|---|---|---|---|---|---|", out)
+    say("| steps | count | ms | share | ms a step | before the forward | forward launch | sampling + wait | rest |")
+    say("|---|---|---|---|---|---|---|---|---|")
     for kind in ("eager", "graph"):
         rows = [phases for k, phases in steps if k == kind]
         if rows:
             ms = sum(map(sum, rows))
             each = " | ".join(f"{sum(column) / len(rows):.2f}" for column in zip(*rows))
-            say(f"| {kind} | {len(rows)} | {ms:,.0f} | {ms / total:.0%} | {ms / len(rows):.2f} | {each} |", out)
+            say(f"| {kind} | {len(rows)} | {ms:,.0f} | {ms / total:.0%} | {ms / len(rows):.2f} | {each} |")
 
 
-# candidates beside ours end to end: name -> engine class. The flex ones compile
-# flex for each of the 20 batch buckets, so they run in a section of their own (e2e_flex)
-ASYNC = {"ours, async scheduling": AsyncPagedEngine}
-FLEX = {"ours, flex decode attention": FlexEngine, "ours, async scheduling + flex": AsyncFlexEngine}
+def alternate(systems, useful):
+    """{name: a run -> (seconds, outputs)}: each in turn, the shape's repeats times, each run's tok/s said as it
+    ends -> {name: [(seconds, outputs) of each run]}. A system whose run fails drops out, its traceback said."""
+    runs = {name: [] for name in systems}
+    for i in range(SHAPE["repeats"]):  # alternated, so that a drift in the machine's speed touches each alike
+        for name, run in systems.items():
+            if name not in runs:
+                continue
+            try:
+                seconds, outputs = run()
+            except Exception:  # noqa: BLE001 -- the others' rows stay
+                del runs[name]
+                say(f"{name}, run {i + 1} failed:\n```\n{traceback.format_exc()}```")
+                continue
+            runs[name].append((seconds, outputs))
+            say(f"{name}, run {i + 1}: {useful / seconds:,.0f} tok/s")
+    return runs
 
 
-def e2e_table(out, candidates, with_hf=True, repeats=3):
-    """256 requests of 16-512 random prompt tokens and 16-256 new (seed 1), bf16, greedy, warm; useful tokens/s:
-    ours and the candidates, alternated; then where ours' time goes, and HF static and dynamic."""
-    model = gpt2_small(torch.bfloat16)
+def same_tokens(runs, bf16=True):
+    """Each system's first outputs against ours' first, request by request."""
+    if "ours" not in runs:
+        return
+    mine = runs["ours"][0][1]
+    for name, name_runs in runs.items():
+        same = sum(a == b for a, b in zip(name_runs[0][1], mine))
+        say(f"{name}: the same tokens as ours in {same} of {len(mine)} requests{' (bf16)' if bf16 else ''}")
+
+
+def rows_table(runs, useful):
+    """{name: [(seconds, outputs) of each run]} -> a table of useful tok/s, and ours' time against each, run by run."""
+    say(f"\n| system | tok/s (median of {SHAPE['repeats']}, min-max) | ours / this |")
+    say("|---|---|---|")
+    mine = [seconds for seconds, _ in runs.get("ours", [])]
+    for name, name_runs in runs.items():
+        seconds = [s for s, _ in name_runs]
+        tok_s = sorted(useful / s for s in seconds)
+        ratios = sorted(b / a for a, b in zip(mine, seconds))
+        ratio = f"{statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f})" if ratios else "-"
+        say(f"| {name} | {statistics.median(tok_s):,.0f} ({tok_s[0]:,.0f}-{tok_s[-1]:,.0f}) | {ratio} |")
+
+
+def e2e_table():
+    """Ours with graphs, HF's static cache (compiled on CUDA) and its dynamic cache, alternated, bf16, greedy, warm;
+    useful tokens/s. Then where one more run of ours spends its time."""
+    model = gpt_model(torch.bfloat16)
     prompts, news = workload(1)
     warm_prompts, warm_news = workload(2)
-    defaults = cuda_defaults(model, 16, sum(blocks_for(len(p) + n, 16) for p, n in zip(prompts, news)))
-    engines = {}  # name -> engine
-    for name, engine_class in {"ours": ServingEngine, **candidates}.items():
-        try:  # a candidate that fails to compile or capture leaves the other rows
-            start = time.perf_counter()
-            engines[name] = engine_class(model, block_size=16, compile="graph", **defaults)
-            captured = f"{len(engines[name].graphs)} graphs captured in {time.perf_counter() - start:.1f} s"
-            say(f"{name}: {f'{defaults}, ' if name == 'ours' else ''}{captured}", out)
-            run_ours(engines[name], warm_prompts, warm_news)
-        except Exception:  # noqa: BLE001
-            engines.pop(name, None)
-            say(f"{name}:\n```\n{traceback.format_exc()}```", out)
-    if "ours" not in engines:
-        return
-    # NOTE: ours runs first, then HF. Alternated, our run after HF's compiled static cache (torch.compile,
-    # reduce-overhead) failed with an illegal memory access (H200, 2026-11-26)
-    runs = {name: [] for name in engines}
-    for _ in range(repeats):  # alternated, so that a drift in the machine's speed touches each alike
-        for name, engine in list(engines.items()):
-            try:
-                runs[name].append(run_ours(engine, prompts, news))
-            except Exception:  # noqa: BLE001
-                del engines[name], runs[name]
-                say(f"{name}:\n```\n{traceback.format_exc()}```", out)
-    for name in runs:
-        same = sum(a == b for a, b in zip(runs[name][0][1], runs["ours"][0][1]))
-        say(f"{name}: the same tokens as ours in {same} of {len(prompts)} requests (bf16)", out)
-    rows = {name: [seconds for seconds, _ in name_runs] for name, name_runs in runs.items()}
-    rows_table(rows, sum(news), out)  # now: a run cut short in what follows keeps it
-    if with_hf:
-        engine = engines["ours"]
-        steps = time_steps(engine)
-        run_ours(engine, prompts, news)
-        say("\nWhere one more run of ours spent its time (each step timed in phases on the host):\n", out)
-        breakdown_table(steps, out)
-        say("", out)
-        del engine.step, engine.forward, engine.sample  # time_steps' wrappers: its class's methods again
-        KEPT.update(engine=engine, prompts=prompts, news=news, outputs=runs["ours"][0][1])  # for after_hf
-        del engine
-    del engines
-    torch.cuda.empty_cache()
-    if with_hf:
-        say("", out)
-        rows_table({"ours": rows["ours"], **hf_rows(model, prompts, news, repeats, out)}, sum(news), out)
-
-
-def rows_table(rows, useful, out):
-    """{name: seconds of each run} -> a table of useful tok/s and ours' time against each, run by run."""
-    say(f"| system | tok/s (median of {len(rows['ours'])}, min-max) | ours / this |", out)
-    say("|---|---|---|", out)
-    for name, seconds in rows.items():
-        tok_s = sorted(useful / s for s in seconds)
-        ratios = sorted(b / a for a, b in zip(rows["ours"], seconds))
-        say(
-            f"| {name} | {statistics.median(tok_s):,.0f} ({tok_s[0]:,.0f}-{tok_s[-1]:,.0f}) | "
-            f"{statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f}) |",
-            out,
-        )
-
-
-KEPT = {}  # ours' engine from e2e, built before HF's compile, for after_hf
-
-
-def after_hf(out):
-    """Ours again on its engine from e2e, built before HF's compiled static cache ran in this process: the order
-    in which our run once failed with an illegal memory access (H200, 2026-11-26). Run it last in a process,
-    as such a fault ends CUDA for the rest of it."""
-    if not KEPT:
-        say("no engine of ours from e2e in this process: run e2e first", out)
-        return
-    seconds, outputs = run_ours(KEPT["engine"], KEPT["prompts"], KEPT["news"])
-    same = sum(a == b for a, b in zip(outputs, KEPT["outputs"]))
-    say(
-        f"ours after HF's compile, on its engine from before it: {sum(KEPT['news']) / seconds:,.0f} tok/s, no "
-        f"fault, the same tokens as before in {same} of {len(outputs)} requests",
-        out,
-    )
-
-
-def hf_rows(model, prompts, news, repeats, out):
-    """HF's generate with a static cache (compiled) and a dynamic one -> {name: seconds of each run}."""
+    useful = sum(news)
+    sizes = engine_sizes(model, prompts, news)
+    start = time.perf_counter()
+    engine = ours(model, sizes)
+    say(f"ours: {sizes}, {len(engine.graphs)} graphs captured in {time.perf_counter() - start:.1f} s")
+    run_ours(engine, warm_prompts, warm_news)
+    systems = {"ours": functools.partial(run_ours, engine, prompts, news)}
+    runs = alternate(systems, useful) if OURS_FIRST else {}
     hf = hf_model(model, torch.bfloat16)
     start = time.perf_counter()
     run_hf(hf, prompts, news, cache_implementation="static")  # the timed shapes: nothing compiles while timed
-    say(f"HF static cache: warm-up (compiles) {time.perf_counter() - start:.1f} s", out)
-    rows = {"HF static": [run_hf(hf, prompts, news, cache_implementation="static")[0] for _ in range(repeats)]}
+    say(f"HF static cache: warm-up (compiles on CUDA) {time.perf_counter() - start:.1f} s")
     run_hf(hf, prompts, news)
-    rows["HF dynamic"] = [run_hf(hf, prompts, news)[0] for _ in range(repeats)]
-    return rows
+    systems = {} if OURS_FIRST else systems
+    systems["HF static"] = functools.partial(run_hf, hf, prompts, news, cache_implementation="static")
+    systems["HF dynamic"] = functools.partial(run_hf, hf, prompts, news)
+    # NOTE: alternated, ours' first timed run follows HF's compile (torch.compile, reduce-overhead), the order in
+    # which ours once failed with an illegal memory access (H200, 2026-11-26); --ours-first runs ours first
+    runs.update(alternate(systems, useful))
+    same_tokens(runs)
+    rows_table(runs, useful)
+    if "ours" in runs:
+        steps = time_steps(engine)
+        run_ours(engine, prompts, news)
+        say("\nWhere one more run of ours spent its time (each step timed in phases on the host):\n")
+        breakdown_table(steps)
 
 
-def hf_equal(out):
-    """float32 greedy: ours (graphs) and HF (dynamic cache) give the same tokens on 16 prompts."""
-    model = gpt2_small(torch.float32)
-    prompts, news = workload(3, 16)
-    news = [min(n, 64) for n in news]
-    engine = ServingEngine(model, num_blocks=1024, max_batch=16, token_budget=1024, compile="graph")
-    ours = run_ours(engine, prompts, news)[1]
+CANDIDATES = {  # name -> the CUDA extension's switches
+    "ours": {},
+    "ours, async steps": dict(async_steps=True),
+    "ours, flex decode attention": dict(decode_attention="flex"),
+    "ours, async steps + flex": dict(async_steps=True, decode_attention="flex"),
+}
+
+
+def candidates_table():
+    """Ours against its candidates, alternated, on e2e's workload: useful tokens/s. Flex compiles its kernel for
+    each batch bucket as the graphs are captured."""
+    model = gpt_model(torch.bfloat16)
+    prompts, news = workload(1)
+    warm_prompts, warm_news = workload(2)
+    sizes = engine_sizes(model, prompts, news)
+    say(f"engines: {sizes}")
+    systems = {}
+    for name, switches in CANDIDATES.items():
+        try:  # a candidate that fails to compile or capture leaves the other rows
+            start = time.perf_counter()
+            engine = ours(model, sizes, **switches)
+            say(f"{name} {switches}: {len(engine.graphs)} graphs captured in {time.perf_counter() - start:.1f} s")
+            run_ours(engine, warm_prompts, warm_news)
+            systems[name] = functools.partial(run_ours, engine, prompts, news)
+        except Exception:  # noqa: BLE001
+            say(f"{name}:\n```\n{traceback.format_exc()}```")
+    runs = alternate(systems, sum(news))
+    same_tokens(runs)
+    rows_table(runs, sum(news))
+
+
+def hf_equal():
+    """float32 greedy: ours (graphs) and HF (dynamic cache) give the same tokens."""
+    model = gpt_model(torch.float32)
+    n, most = SHAPE["equal"]
+    prompts, news = workload(3, n)
+    news = [min(m, most) for m in news]
+    engine = ours(model, dict(num_blocks=1024, max_batch=16, token_budget=1024))
+    mine = run_ours(engine, prompts, news)[1]
     theirs = run_hf(hf_model(model, torch.float32), prompts, news)[1]
-    say(
-        f"float32 greedy, 16 prompts of 16-512 tokens, up to 64 new: {sum(a == b for a, b in zip(ours, theirs))}/16 "
-        "outputs equal to HF's",
-        out,
-    )
+    equal = sum(a == b for a, b in zip(mine, theirs))
+    lo, hi = SHAPE["prompt"]
+    say(f"float32 greedy, {n} prompts of {lo}-{hi} tokens, up to {most} new: {equal}/{n} outputs equal to HF's")
+    for i, (a, b) in enumerate(zip(mine, theirs)):
+        if a != b:
+            first = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            say(f"request {i}: first differs at new token {first}")
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="out/gpu.md")
-    p.add_argument("--sections", default="tests,step,e2e,attention,hf_equal,host,after_hf")
-    args = p.parse_args()
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    sections = args.sections.split(",")
-    torch.backends.cuda.enable_cudnn_sdp(False)  # as the engine does
-    bandwidth = copy_bandwidth()
-    say(f"$ python bench/gpu.py --sections {args.sections}", args.out)
-    say(
-        f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; "
-        f"device-to-device copy {bandwidth:.2f} TB/s (read + write)",
-        args.out,
-    )
-    for name in sections:
-        say(f"\n## {TITLES[name]}\n", args.out)
-        try:
-            SECTIONS[name](args.out, bandwidth)
-        except Exception:  # noqa: BLE001 -- one section's failure keeps the others' figures
-            say("```\n" + traceback.format_exc() + "```", args.out)
+def cuda_tests():
+    """The test suite's CUDA tests, their output. Fails the section where pytest fails."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--disable-warnings", "-rfEs"]
+    cmd += ["tests", "-k", "cuda"]
+    if importlib.util.find_spec("xdist"):  # the GPU image has pytest-xdist: compiles run side by side
+        cmd += ["-n", "4"]
+    say(f"$ python -m pytest {' '.join(cmd[3:])}\n```")
+    proc = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True)
+    for line in (proc.stdout + proc.stderr).strip().splitlines():
+        say(line)
+    say("```")
+    if proc.returncode != 0:
+        raise RuntimeError(f"pytest exited {proc.returncode}")
 
 
-def cuda_tests(out, bandwidth):
-    """The test suite's CUDA tests, their summary line."""
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests", "-k", "cuda"]
-    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-    lines = subprocess.run(cmd, check=False, cwd=root, capture_output=True, text=True).stdout.strip().splitlines()
-    say(f"$ python -m pytest -q tests -k cuda\n{lines[-1] if lines else '(no output)'}", out)
-
-
-def host_table(out, bandwidth):
+def host_table():
+    """bench/host_step.py: a step's host side at many sequences, a model too small to cost anything."""
     from bench.host_step import host_step_ms
 
-    for device in ("cpu", "cuda"):
-        host_step_ms(device, 32)
-        runs = [host_step_ms(device)[1:] for _ in range(3)]
-        say(f"{device}: " + "; ".join(f"{a:.2f} ms a step, forward {b:.2f}, host {c:.2f}" for a, b, c in runs), out)
+    n = SHAPE["host_requests"]
+    say(f"{n} requests (16-512 prompt tokens, 16-256 new), max_batch 256, a 1-layer 32-wide model\n")
+    say("| device | run | ms a step | forward ms | host ms |")
+    say("|---|---|---|---|---|")
+    for device in ("cpu", "cuda") if on_cuda() else ("cpu",):
+        host_step_ms(device, min(32, n))  # warm: first calls pay one-time setup
+        for i in range(SHAPE["repeats"]):
+            step_ms, forward_ms, host_ms = host_step_ms(device, n)[1:]
+            say(f"| {device} | {i + 1} | {step_ms:.2f} | {forward_ms:.2f} | {host_ms:.2f} |")
 
 
 TITLES = dict(
     tests="The CUDA tests",
+    hf_equal="Tokens against HF, float32",
+    e2e="End to end: {requests} requests, prompts {prompt[0]}-{prompt[1]}, {new[0]}-{new[1]} new, bf16, greedy",
+    candidates="End to end, the candidates: async_steps and decode_attention='flex', the same workload",
     attention="Decode attention, one layer",
     step="One decode step, eager against its CUDA graph",
-    e2e="End to end: 256 requests, prompts 16-512, 16-256 new, bf16, greedy",
-    e2e_flex="End to end with flex decode attention, the same workload (run it before HF's compile: not after e2e)",
-    after_hf="Ours after HF's compiled static cache, on an engine built before it",
-    hf_equal="Tokens against HF, float32",
-    host="The host side of a step, 256 sequences (bench/host_step.py)",
+    host="The host side of a step (bench/host_step.py)",
 )
 SECTIONS = dict(
     tests=cuda_tests,
-    attention=lambda out, bandwidth: attention_table(out),
+    hf_equal=hf_equal,
+    e2e=e2e_table,
+    candidates=candidates_table,
+    attention=attention_table,
     step=step_table,
-    e2e=lambda out, bandwidth: e2e_table(out, ASYNC),
-    e2e_flex=lambda out, bandwidth: e2e_table(out, FLEX, with_hf=False),
-    after_hf=lambda out, bandwidth: after_hf(out),
-    hf_equal=lambda out, bandwidth: hf_equal(out),
     host=host_table,
 )
+DEFAULT = "tests,hf_equal,e2e,candidates,attention"
+
+
+def run_section(name, args):
+    """One section in this process, its lines to DIR/NAME.md -> whether it ran to its end."""
+    global FILE
+    FILE = os.path.join(args.out, f"{name}.md")
+    LINES.clear()
+    say(f"$ python bench/gpu.py --sections {name}{' --dry-run' if args.dry_run else ''}")
+    machine = (
+        torch.cuda.get_device_name() if on_cuda() else f"{platform.machine()} CPU, {torch.get_num_threads()} threads"
+    )
+    say(f"{machine}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M')}")
+    say(f"\n## {TITLES[name].format(**SHAPE)}{' (dry run: a tiny shape on the CPU)' if args.dry_run else ''}\n")
+    start = time.perf_counter()
+    try:
+        SECTIONS[name]()
+        ok = True
+    except Exception:  # noqa: BLE001 -- the section's failure, in its file
+        say("```\n" + traceback.format_exc() + "```")
+        ok = False
+    say(f"\n{name}: {'done' if ok else 'failed'} in {time.perf_counter() - start:.0f} s")
+    free_cached_memory()
+    return ok
+
+
+def drive(args, sections):
+    """Each section in a process of its own, within the budget -> whether every one ran to its end. Prints what
+    each did and the command that runs the rest again."""
+    start = time.perf_counter()
+    outcome = {}
+    for i, name in enumerate(sections):
+        left = math.inf if args.budget_s is None else args.budget_s - (time.perf_counter() - start)
+        limit = left - args.reserve_s * (len(sections) - i - 1)  # each later section keeps its reserve
+        if limit < 20:  # too little to import, build and measure anything
+            outcome[name] = f"skipped: {max(left, 0):.0f} s of the budget left"
+            continue
+        cmd = [sys.executable, os.path.abspath(__file__), "--sections", name, "--out", args.out]
+        cmd += ["--dry-run"] * args.dry_run + ["--ours-first"] * args.ours_first
+        began = time.perf_counter()
+        proc = subprocess.Popen(cmd, process_group=0)  # its own group: a stop ends pytest's process with it
+        try:
+            code = proc.wait(timeout=None if math.isinf(limit) else limit)
+            outcome[name] = "done" if code == 0 else f"failed (exit {code})"
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            code = None
+            outcome[name] = f"stopped at its share of the budget, {limit:.0f} s"
+        if code not in (0, 1):  # stopped, or a crash its own lines do not tell (a CUDA fault can abort)
+            with open(os.path.join(args.out, f"{name}.md"), "a") as f:
+                f.write(f"\n{name}: {outcome[name]}\n")
+        outcome[name] += f" ({time.perf_counter() - began:.0f} s)"
+    print(f"\n## Summary ({time.perf_counter() - start:.0f} s)\n", flush=True)
+    for name, what in outcome.items():
+        print(f"{name}: {what}", flush=True)
+    again = [name for name, what in outcome.items() if not what.startswith("done")]
+    if again:
+        print(f"to run again: python3 bench/gpu.py --sections {','.join(again)} --out DIR", flush=True)
+    return not again
+
+
+def parser():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="out/gpu", help="the folder each section's lines go to, as SECTION.md")
+    p.add_argument("--sections", help=f"in the order to run (default {DEFAULT}; --dry-run: all {','.join(SECTIONS)})")
+    p.add_argument("--budget-s", type=float, help="seconds for the whole run (default: no limit)")
+    p.add_argument("--reserve-s", type=float, default=45, help="seconds the budget keeps for each later section")
+    p.add_argument("--dry-run", action="store_true", help="every section on the CPU at a tiny shape")
+    p.add_argument("--ours-first", action="store_true", help="e2e: ours' runs before HF's compile, not alternated")
+    return p
+
+
+def main():
+    global SHAPE, DEVICE, OURS_FIRST
+    p = parser()
+    args = p.parse_args()
+    sections = (args.sections or (",".join(SECTIONS) if args.dry_run else DEFAULT)).split(",")
+    if not set(sections) <= set(SECTIONS):
+        p.error(f"--sections: {', '.join(sorted(set(sections) - set(SECTIONS)))}: not one of {', '.join(SECTIONS)}")
+    if not args.dry_run and not torch.cuda.is_available():
+        p.error("torch sees no CUDA GPU here: --dry-run runs every section on the CPU")
+    SHAPE, DEVICE = (DRY, torch.device("cpu")) if args.dry_run else (GPU, torch.device("cuda"))
+    OURS_FIRST = args.ours_first
+    os.makedirs(args.out, exist_ok=True)
+    torch.backends.cuda.enable_cudnn_sdp(False)  # as the engine does
+    if len(sections) > 1:
+        return drive(args, sections)
+    return run_section(sections[0], args)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(0 if main() else 1)

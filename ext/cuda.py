@@ -2,11 +2,15 @@
 from pinned memory, and with compile="graph" (asked for: see the NOTE below) a decode-only step is padded to a fixed
 shape, whose CUDA graph was captured once and is replayed instead of launching every kernel from Python. On a
 CPU, compile="graph" pads the same shapes without capturing them, which the tests check there. Plugs into the
-paged engine at batch_class, make_batch and forward."""
+paged engine at batch_class, make_batch and forward; its two candidates, each one switch and off by default
+until a GPU has run it, at step (async_steps=True: ext/async_steps.py) and at a padded step's decode attention
+(decode_attention="flex": ext/flex_decode.py)."""
 
 import torch
 import torch.nn.functional as F
 
+from ext.async_steps import AsyncSteps
+from ext.flex_decode import flex_attend, flex_block_mask
 from paged import PagedBatch
 
 
@@ -85,20 +89,40 @@ class GraphBatch(PagedBatch):
         return tensors
 
 
-class CudaGraphs:
+class FlexBatch(GraphBatch):
+    """decode_attention="flex": a padded step attends through flex_attention, its block mask built at the first
+    layer from the graph's fixed inputs, so that a captured graph builds it too."""
+
+    def attend_one_token(self, layer, q):
+        if layer == 0:
+            num_pool_blocks, block_size = self.k_pool.shape[1:3]
+            table, kv_len = self.one_token_table, self.one_token_len
+            self.block_mask = flex_block_mask(table, kv_len, num_pool_blocks, block_size)
+        attend = flex_attend(self.device)
+        return attend(q, self.k_pool[layer], self.v_pool[layer], self.block_mask)
+
+
+class CudaGraphs(AsyncSteps):
     """A PagedEngine mixin. compile="graph": decode-only steps padded to batch buckets 1, 2, 4, 8, then steps of
     16, each row reading as many blocks as the longest context has (narrower tables, in graphs of their own, ran
     no faster end to end on an H200: docs/gpu.md); on CUDA one graph per bucket, captured largest first in one
     memory pool. With it, on CUDA, every step stages in one copy.
     NOTE: "graph" is asked for, not auto's choice on CUDA: this form (fixed GraphInputs, captured from a batch
     with no plan) has run on the CPU only, padded and uncaptured (tests/test_decode_graphs.py); auto chooses it
-    once a GPU has run the CUDA tests and checked its tokens against Hugging Face's."""
+    once a GPU has run the CUDA tests and checked its tokens against Hugging Face's.
+    The candidates, off until a GPU run shows they pay (docs/gpu.md): async_steps=True leaves each step's tokens
+    on the device until the next step has launched (AsyncSteps, any compile mode); decode_attention="flex"
+    attends a padded step's decodes through flex_attention instead of gather_attend (FlexBatch, with "graph")."""
 
-    graph_batch_class = GraphBatch  # a padded step's batch: bench/gpu.py's flex_attention candidate subclasses it
     compile_modes = ("auto", "on", "off", "graph")  # steps it does not pad run as with auto
 
-    def __init__(self, model, **kw):
+    def __init__(self, model, *, decode_attention="gather", **kw):
         super().__init__(model, **kw)
+        flex = decode_attention == "flex"
+        if decode_attention not in ("gather", "flex") or flex and self.compile != "graph":
+            why = "'gather', or 'flex' with compile 'graph' (it attends the padded steps)"
+            raise ValueError(f"decode_attention {decode_attention!r} with compile {self.compile!r}: must be {why}")
+        self.graph_batch_class = FlexBatch if flex else GraphBatch  # a padded step's batch
         if self.device.type == "cuda" and self.compile == "graph":  # the GPU path, asked for (NOTE above)
             self.batch_class = StagedBatch
         largest = self.max_batch
@@ -120,17 +144,21 @@ class CudaGraphs:
         if not len(samplers) <= len(plan) == num_one_token:  # not decode-only
             return super().make_batch(plan, samplers)
         inputs = self.graph_inputs[self.graph_batch(len(plan))]
-        return self.graph_batch_class(plan, samplers, self.device, self.kv_pool, self.block_tables, inputs)
+        return self.padded_batch(plan, samplers, inputs)
 
     def graph_batch(self, num_rows):  # the smallest bucket that holds num_rows
         return next(b for b in self.graph_batches if b >= num_rows)
+
+    def padded_batch(self, plan, samplers, inputs):
+        """The step's batch padded to inputs' shape; capture_graphs records each graph from one with no plan."""
+        tables = self.block_tables
+        return self.graph_batch_class(plan, samplers, self.device, self.kv_pool, tables, inputs)
 
     @torch.no_grad()
     def capture_graphs(self):
         pool = None
         for b in reversed(self.graph_batches):
-            inputs = self.graph_inputs[b]
-            batch = self.graph_batch_class([], [], self.device, self.kv_pool, self.block_tables, inputs)
+            batch = self.padded_batch([], [], self.graph_inputs[b])
             super().forward(batch)  # warm-up: compiles and allocates outside the capture
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):

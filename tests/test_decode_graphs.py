@@ -1,18 +1,27 @@
-"""Decode steps in fixed shapes, as CUDA graphs replay them: padded to a batch bucket and a block-table width,
-reading fixed input buffers (ext/cuda.py). The padding is the same on every device, so these run on the CPU
-(compile="graph" pads without capturing); tests/test_paged.py runs the captured graphs on CUDA."""
+"""The CUDA extension (ext/cuda.py). Decode steps in fixed shapes, as CUDA graphs replay them: padded to a batch
+bucket and a block-table width, reading fixed input buffers. The padding is the same on every device, so these
+run on the CPU (compile="graph" pads without capturing); tests/test_paged.py runs the captured graphs on CUDA.
+Its two candidates, each one switch and off by default: async_steps (ext/async_steps.py) and
+decode_attention="flex" (ext/flex_decode.py), each the engine's own tokens on the CPU, and on CUDA where there is
+one."""
 
+import copy
 import random
 
 import pytest
 import torch
 from conftest import run_engine
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_eos import common_token
+from test_robust import workloads
 
-from ext import ServingEngine
-from ext.cuda import GraphBatch
-from paged import blocks_for
+from ext import ServingEngine, engine_class
+from ext.cuda import FlexBatch, GraphBatch
+from ext.flex_decode import compiled_flex, flex_block_mask, flex_paged_attend
+from paged import blocks_for, gather_attend
 from scheduler import PagedEngine
-from sequence import Request, SamplingParams
+from sequence import Request, RequestStatus, SamplingParams
 
 
 def mixed_requests(prompts):
@@ -84,8 +93,6 @@ def test_padded_steps_read_their_graphs_fixed_inputs_which_never_move(model):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graph_replays_give_the_eager_engines_tokens(model):
     """On CUDA, compile graph captures one graph per decode shape; replays give eager's tokens, float64."""
-    import copy
-
     cuda_model = copy.deepcopy(model).cuda()
     rng = random.Random(5)
     prompts = [[rng.randrange(300) for _ in range(rng.randint(1, 20))] for _ in range(9)]
@@ -105,7 +112,7 @@ def test_a_capture_batch_with_no_plan_is_all_padding_and_runs_the_forward(model)
     engine = ServingEngine(model, num_blocks=20, block_size=4, max_batch=8, compile="graph")
     padding = engine.allocator.num_blocks
     for b, inputs in engine.graph_inputs.items():
-        batch = engine.graph_batch_class([], [], engine.device, engine.kv_pool, engine.block_tables, inputs)
+        batch = engine.padded_batch([], [], inputs)
         assert batch.idx is inputs.idx and batch.one_token_table is inputs.one_token_table
         assert batch.slots.tolist() == [padding * engine.block_size] * b and batch.one_token_len.tolist() == [1] * b
         assert (batch.one_token_table == padding).all() and batch.idx.tolist() == [0] * b
@@ -114,3 +121,264 @@ def test_a_capture_batch_with_no_plan_is_all_padding_and_runs_the_forward(model)
             assert engine.forward(batch).shape == (0, model.config.vocab_size), "padding's logits were returned"
         assert logits.shape == (b, model.config.vocab_size) and torch.isfinite(logits).all()
     assert engine.kv_pool[:, :, :padding].abs().sum() == 0, "a padding row wrote outside the padding block"
+
+
+def test_the_candidates_are_off_by_default_and_one_switch_each(model):
+    """Neither candidate runs unless asked for (CUDA code is on by default only once a GPU has run it); each is a
+    setting of the engine with the CUDA extension, as generate.py composes it; flex attends padded steps only."""
+    engine = ServingEngine(model, num_blocks=20, compile="graph")
+    assert engine.async_steps is False and engine.graph_batch_class is GraphBatch
+    engine = engine_class(compile="graph")(
+        model, num_blocks=20, compile="graph", async_steps=True, decode_attention="flex"
+    )
+    assert engine.async_steps is True and engine.graph_batch_class is FlexBatch
+    for compile, attention in [("off", "flex"), ("graph", "sdpa")]:
+        with pytest.raises(ValueError, match="decode_attention"):
+            ServingEngine(model, num_blocks=20, compile=compile, decode_attention=attention)
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 16])
+def test_flex_block_mask_names_each_rows_own_keys(block_size):
+    """decode_attention="flex": eager, where mask_mod masks every key, it attends as gather_attend does, in
+    float64; and its block mask, as flex's kernel reads it (whole blocks unmasked, mask_mod only in the partial
+    ones), names exactly each row's first kv_len keys, whatever stale ids sit past a row's blocks, in the layout
+    flex's decoding kernel reads: whole blocks' indices, if any, laid out as the partial ones'."""
+    g = torch.Generator().manual_seed(block_size)
+    B, W, H, D, num_pool_blocks = 6, 5, 3, 8, 40
+    k_pool, v_pool = (torch.randn(num_pool_blocks, block_size, H, D, dtype=torch.float64, generator=g) for _ in "kv")
+    table = torch.randperm(num_pool_blocks - 1, generator=g)[: B * W].view(B, W).int()
+    kv_len = torch.randint(1, W * block_size + 1, (B,), generator=g)
+    kv_len[0] = W * block_size  # every block whole
+    kv_len[1] = 1
+    table[1, 1:] = table[1, 0]  # a stale entry that names the row's own block again
+    table[2], kv_len[2] = num_pool_blocks - 1, 1  # a padding row: one key, in the padding block, named W times
+    mask = flex_block_mask(table, kv_len, num_pool_blocks, block_size)
+    q = torch.randn(B, H, D, dtype=torch.float64, generator=g)
+    assert torch.allclose(flex_paged_attend(q, k_pool, v_pool, mask), gather_attend(q, k_pool, v_pool, table, kv_len))
+    assert mask.kv_indices.shape == (B, 1, 1, W) and mask.kv_indices.is_contiguous()
+    whole = mask.full_kv_indices
+    assert whole is None or (whole.shape, whole.stride()) == (mask.kv_indices.shape, mask.kv_indices.stride())
+    for b in range(B):
+        read = set()
+        for j in [] if whole is None else whole[b, 0, 0, : mask.full_kv_num_blocks[b, 0, 0]].tolist():
+            read |= set(range(j * block_size, (j + 1) * block_size))
+        for j in mask.kv_indices[b, 0, 0, : mask.kv_num_blocks[b, 0, 0]].tolist():
+            keys = torch.arange(j * block_size, (j + 1) * block_size)
+            read |= {k for k in keys.tolist() if mask.mask_mod(torch.tensor(b), 0, 0, torch.tensor(k))}
+        slots = table[b].long()[:, None] * block_size + torch.arange(block_size)  # (W, block_size)
+        assert read == set(slots.flatten()[: kv_len[b]].tolist())
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 16])
+def test_flex_decode_attention_in_padded_steps_gives_the_engines_tokens_under_preemption(
+    model, monkeypatch, block_size
+):
+    """decode_attention="flex" in every padded decode step (eager flex on the CPU, as inductor's CPU template
+    refuses the mask): samples, beams and preemption give the engine's own tokens, in float64."""
+    rng = random.Random(block_size)
+    prompts = [[rng.randrange(300) for _ in range(rng.randint(1, 20))] for _ in range(9)]
+    num_blocks = 3 * blocks_for(20 + 12, block_size) + 4  # preempts: a beam group of the longest prompt, and 4
+    flex_steps = []
+    attend = FlexBatch.attend_one_token
+    monkeypatch.setattr(FlexBatch, "attend_one_token", lambda b, *a: flex_steps.append(b.padded_shape) or attend(b, *a))
+    outputs = {}
+    for compile, attention in [("off", "gather"), ("graph", "flex")]:
+        sizes = dict(num_blocks=num_blocks, block_size=block_size, token_budget=16, max_batch=12)
+        engine = ServingEngine(model, **sizes, compile=compile, decode_attention=attention)
+        requests = mixed_requests(prompts)
+        run_engine(engine, requests, check=True)
+        outputs[attention] = [[s.generated for s in r.sequences] for r in requests]
+        assert engine.meter.num_preemptions > 0
+    assert outputs["flex"] == outputs["gather"]
+    assert len(flex_steps) > 10  # padded steps that went through flex
+
+
+def async_workload(eos=None):
+    """Greedy requests, n = 3 samples with top-k, and one-token requests, all with eos."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(300) for _ in range(rng.randint(2, 20))] for _ in range(10)]
+    news = [rng.randint(8, 30) for _ in prompts]
+    params = [SamplingParams(eos=eos) for _ in range(4)]
+    params += [SamplingParams(temperature=1.0, top_k=40, seed=i, n=3, eos=eos) for i in range(4)]
+    params += [SamplingParams(eos=eos)] * 2
+    news[-2:] = [1, 1]
+    return [Request(p, n, sp) for p, n, sp in zip(prompts, news, params)]
+
+
+def count_late_tokens(engine):
+    """Wrap the async engine's resolve: -> a list that gets, for each call, whether the tokens it brings to the host
+    were still on the device when the next step launched (a step ran while they were in flight). And check what
+    async steps rely on: no sequence is preempted while tokens are in flight, and a request finishes with every
+    token on the host (a placeholder is negative)."""
+    late, resolve, preempt, finish = [], engine.resolve, engine.preempt, engine.finish
+
+    def preempt_none_in_flight(group):
+        assert engine.pending is None, "preempted while tokens are in flight"
+        preempt(group)
+
+    def finish_with_every_token(r):
+        assert all(t >= 0 for s in r.sequences for t in s.tokens), "a request finished before its tokens came"
+        finish(r)
+
+    engine.resolve = lambda: late.append(engine.pending is not None and bool(engine.running)) or resolve()
+    engine.preempt, engine.finish = preempt_none_in_flight, finish_with_every_token
+    return late
+
+
+@pytest.mark.parametrize(
+    "num_blocks,block_size,compile,preempts", [(400, 4, "off", False), (60, 1, "graph", True), (26, 4, "graph", True)]
+)
+def test_async_steps_give_the_engines_tokens(model, num_blocks, block_size, compile, preempts):
+    """async_steps: with each step's tokens left on the device until the next step is launched, every sequence's
+    tokens are the engine's own, in float64, for greedy and sampled requests, eos one step late, one-token
+    requests, later arrivals, padded steps, and a pool that preempts (where it waits for the tokens first); every
+    block comes back."""
+    kw = dict(num_blocks=num_blocks, block_size=block_size, token_budget=16, max_batch=12, compile=compile)
+    arrivals = [0, 0, 0, 2, 2, 5, 9, 9, 14, 14]
+    sync = async_workload()
+    run_engine(ServingEngine(model, **kw), sync, arrivals)
+    eos = common_token([s.generated for r in sync for s in r.sequences])
+    outputs, counts = {}, {}
+    for async_steps in (False, True):
+        engine = ServingEngine(model, **kw, async_steps=async_steps)
+        requests = async_workload(eos)
+        late = count_late_tokens(engine) if async_steps else []
+        run_engine(engine, requests, arrivals, check=True)
+        outputs[async_steps] = [[s.generated for s in r.sequences] for r in requests]
+        done = sum(r.status is RequestStatus.DONE for r in requests)  # every request, its tokens on the host
+        counts[async_steps] = (done, engine.allocator.num_free(), engine.meter.num_preemptions)
+    assert outputs[True] == outputs[False]
+    assert any(len(o) < r.max_new_tokens for r, out in zip(requests, outputs[False]) for o in out)  # eos hit
+    assert counts[True][:2] == counts[False][:2] == (len(requests), num_blocks)
+    assert sum(late) > 20
+    assert (counts[True][2] > 0) == (counts[False][2] > 0) == preempts
+
+
+def test_async_steps_step_beams_and_speculation_in_the_engines_order(model):
+    """With a beam group live, or speculation on, async steps wait for each step's tokens, as beams need their
+    log-probabilities on the host and proposals the tokens: the engine's tokens, beside requests that stepped
+    ahead before the beams arrived."""
+    for speculate in (0, 3):
+        outputs = []
+        for async_steps in (False, True):
+            requests = async_workload()[:4] + [Request([3, 1, 4, 1, 5], 9, SamplingParams(num_beams=3))]
+            sizes = dict(num_blocks=200, block_size=4, token_budget=16, max_batch=12, num_speculative_tokens=speculate)
+            engine = ServingEngine(model, **sizes, async_steps=async_steps)
+            run_engine(engine, requests, [0, 0, 3, 3, 6])
+            outputs.append([[s.generated for s in r.sequences] for r in requests])
+        assert outputs[0] == outputs[1]
+
+
+def test_async_steps_with_flex_decode_attention_give_the_engines_tokens(model):
+    """Both candidates at once, as bench/gpu.py's candidates section runs them: the engine's tokens."""
+    rng = random.Random(2)
+    prompts = [[rng.randrange(300) for _ in range(rng.randint(1, 20))] for _ in range(9)]
+    outputs = []
+    for switches in ({}, dict(async_steps=True, decode_attention="flex")):
+        engine = ServingEngine(
+            model, num_blocks=40, block_size=4, token_budget=16, max_batch=12, compile="graph", **switches
+        )
+        requests = [Request(p, 12, SamplingParams(temperature=1.0, top_k=30, seed=i)) for i, p in enumerate(prompts)]
+        outputs.append(run_engine(engine, requests, check=True))
+    assert outputs[0] == outputs[1]
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(
+    w=workloads(),
+    eos_pick=st.integers(0, 10**6),
+    swap=st.booleans(),
+    compile=st.sampled_from(["off", "graph"]),
+    samples=st.integers(1, 3),
+)
+def test_async_steps_match_the_engine_on_random_workloads(model, w, eos_pick, swap, compile, samples):
+    """Async steps against the engine on test_robust's random workloads, with an eos drawn from the engine's own
+    output (so that some sequences stop early), n samples in every other request, swap or recompute preemption,
+    and padded steps or not: every sequence's tokens the same, the invariants after every step, and no
+    preemption with a token in flight."""
+    sizes = {name: w[name] for name in ("num_blocks", "block_size", "token_budget", "max_batch", "prefix_cache")}
+    sizes.update(compile=compile, swap_blocks=w["num_blocks"] // 2 if swap else 0)
+
+    def requests(eos):
+        n = [min(samples, w["max_batch"], w["token_budget"]) if i % 2 else 1 for i in range(len(w["news"]))]
+        params = [
+            SamplingParams(temperature=w["temperature"], top_k=40, seed=i, n=n[i], eos=eos) for i in range(len(n))
+        ]
+        return [Request(p, m, sp) for p, m, sp in zip(w["prompts"], w["news"], params)]
+
+    def outputs(engine, eos, check=False):
+        rs = requests(eos)
+        run_engine(engine, rs, w["arrivals"], check=check)
+        return [[s.generated for s in r.sequences] for r in rs]
+
+    free = [t for out in outputs(ServingEngine(model, **sizes), None) for seq in out for t in seq]
+    eos = free[eos_pick % len(free)]
+    want = outputs(ServingEngine(model, **sizes), eos)
+    engine = ServingEngine(model, **sizes, async_steps=True)
+    count_late_tokens(engine)
+    assert outputs(engine, eos, check=True) == want
+    assert engine.allocator.num_free() == w["num_blocks"] and engine.pending is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flex_decode_attention_compiled_on_cuda_attends_as_gather_attend(dtype):
+    """decode_attention="flex" as its GPU kernel runs it (compiled, static shapes: flex's decoding kernel) against
+    gather_attend, at 1, 2 and 16 rows of spread lengths, stale table entries and a padding row."""
+    g = torch.Generator().manual_seed(0)
+    W, block_size, H, D = 8, 16, 12, 64
+    for B in (1, 2, 16):
+        num_pool_blocks = B * W + 1
+        k_pool, v_pool = (torch.randn(num_pool_blocks, block_size, H, D, generator=g).to("cuda", dtype) for _ in "kv")
+        table = torch.randperm(num_pool_blocks - 1, generator=g)[: B * W].view(B, W).int()
+        kv_len = torch.randint(1, W * block_size + 1, (B,), generator=g)
+        if B > 1:
+            table[-1], kv_len[-1] = num_pool_blocks - 1, 1  # a padding row
+        table, kv_len = table.cuda(), kv_len.cuda()
+        q = torch.randn(B, H, D, generator=g).to("cuda", dtype)
+        mask = flex_block_mask(table, kv_len, num_pool_blocks, block_size)
+        got = compiled_flex()(q, k_pool, v_pool, mask).float()
+        want = gather_attend(q, k_pool, v_pool, table, kv_len).float()
+        assert (got - want).abs().max().item() < (1e-4 if dtype == torch.float32 else 2e-2), B
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_flex_decode_attention_on_cuda_in_captured_steps_gives_gather_attends_tokens(model):
+    """decode_attention="flex" in captured decode steps on a GPU (flex's kernel compiled for each bucket, its block
+    mask built inside the graph), float32, as flex's GPU kernel takes: samples and beams under preemption give the
+    tokens of the same engine attending through gather_attend."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(300) for _ in range(rng.randint(1, 20))] for _ in range(9)]
+    cuda_model = copy.deepcopy(model).to("cuda", torch.float32)
+    sizes = dict(num_blocks=3 * blocks_for(20 + 12, 4) + 4, block_size=4, token_budget=16, max_batch=12)
+    outputs = {}
+    for attention in ("gather", "flex"):
+        engine = ServingEngine(cuda_model, **sizes, compile="graph", decode_attention=attention)
+        assert len(engine.graphs) == len(engine.graph_batches)
+        requests = mixed_requests(prompts)
+        run_engine(engine, requests, check=True)
+        outputs[attention] = [[s.generated for s in r.sequences] for r in requests]
+        assert engine.meter.num_preemptions > 0
+    assert outputs["flex"] == outputs["gather"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("compile", ["off", "graph"])
+def test_async_steps_on_cuda_give_the_engines_tokens(model, compile):
+    """async_steps on a GPU, where the tokens really are in flight (pinned copies, events, placeholders swapped on
+    the device): the float64 CPU engine's tokens, with eos, samples and later arrivals, eagerly and with captured
+    decode steps."""
+    cuda_model = copy.deepcopy(model).cuda()
+    kw = dict(num_blocks=60, block_size=4, token_budget=16, max_batch=12)
+    arrivals = [0, 0, 0, 2, 2, 5, 9, 9, 14, 14]
+    sync = async_workload()
+    run_engine(ServingEngine(model, **kw), sync, arrivals)
+    eos = common_token([s.generated for r in sync for s in r.sequences])
+    want = async_workload(eos)
+    run_engine(ServingEngine(model, **kw), want, arrivals)
+    engine = ServingEngine(cuda_model, **kw, compile=compile, async_steps=True)
+    late = count_late_tokens(engine)
+    got = async_workload(eos)
+    run_engine(engine, got, arrivals, check=True)
+    assert [[s.generated for s in r.sequences] for r in got] == [[s.generated for s in r.sequences] for r in want]
+    assert sum(late) > 20
