@@ -12,9 +12,9 @@ How a token that is not on the host yet is used:
 - a sequence that sampled eos learns it one step late: it ran one more step, whose token is dropped;
 - a request finishes when its last tokens reach the host, a step after their launch.
 A step runs in the engine's own order (tokens on the host before the bookkeeping) when a beam group is live, as
-beams need their log-probabilities on the host, or speculation is on, as proposals read the tokens; and it waits
-for the pending tokens first when the pool could run short, as preempting a sequence whose token is in flight
-is not handled."""
+beams need their log-probabilities on the host, or a request asks for logprobs, or speculation is on, as
+proposals read the tokens; and it waits for the pending tokens first when the pool could run short, as
+preempting a sequence whose token is in flight is not handled."""
 
 import torch
 
@@ -33,9 +33,15 @@ class AsyncSteps:
         self.pending = None
 
     def in_order(self):
-        """Whether this step must run in the engine's order: beams live, or speculation on (ext/speculative.py)."""
-        beams = any(s.request.params.num_beams > 1 for s in self.running + list(self.waiting))
-        return beams or getattr(self, "num_speculative_tokens", 0) != 0
+        """Whether this step runs in the engine's order: a live request's beams need their log-probabilities on the
+        host, or its logprobs theirs (ext/logprobs.py), or speculation is on (ext/speculative.py)."""
+        for s in self.running + list(self.waiting):
+            p = s.request.params
+            if p.num_beams > 1 or getattr(p, "logprobs", None) is not None:
+                return True
+            if getattr(p, "prompt_logprobs", None) is not None:
+                return True
+        return getattr(self, "num_speculative_tokens", 0) != 0
 
     @torch.no_grad()
     def step(self):
