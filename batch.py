@@ -53,8 +53,8 @@ class StepBatch:
         self.kv_lens = num_cached + num_new  # (R,) keys each entry has after this step
         self.num_one_token = int((num_new == 1).sum())  # NOTE: the plan puts them first
         self.spans = list(zip(starts.tolist(), ends.tolist()))  # (start, end) of each entry's new tokens
-        longer = range(self.num_one_token, len(plan))  # the other entries: prefill chunks, each attended alone
-        self.chunks = [Chunk(i, *self.spans[i], int(num_cached[i])) for i in longer]
+        # the other entries: prefill chunks, each attended alone
+        self.chunks = [Chunk(i, *self.spans[i], int(num_cached[i])) for i in range(self.num_one_token, len(plan))]
         tokens = longs([t for s, n in plan for t in s.next_tokens(n)])
         entries = longs([x.entry for x in samplers])  # (S,) each sampler's plan entry
         rows = longs([x.sequence.row for x in samplers])

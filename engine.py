@@ -34,8 +34,6 @@ class Engine:
     release). Observers (harness/observer.py) hear what happened at each step; the engine keeps no measurements."""
 
     def __init__(self, model, *, max_batch=64, vocab_size=None):
-        if max_batch < 1:
-            raise ValueError(f"max_batch is {max_batch}; it must be at least 1")
         self.model = model
         self.max_batch = max_batch  # sequences at once
         self.window = model.config.block_size  # the model's context (nanoGPT's name), not a KV block's size
@@ -73,15 +71,19 @@ class Engine:
             why = f"prompt of {len(r.prompt)} tokens + max_new_tokens {r.max_new_tokens} = {total}"
             raise ValueError(f"{why} exceeds the model's context of {self.window} (+1: the last is never fed back)")
         p = r.params
-        if not 0 <= p.temperature < math.inf or (p.top_k is not None and p.top_k < 1):  # NaN too
+        if not 0 <= p.temperature < math.inf or p.top_k is not None and p.top_k < 1:  # NaN too
             raise ValueError(f"temperature {p.temperature} must be a finite number >= 0 and top_k {p.top_k} >= 1")
         if not (0 < p.top_p <= 1 and 0 <= p.min_p <= 1):
             raise ValueError(f"top_p {p.top_p} must be in (0, 1] and min_p {p.min_p} in [0, 1]")
-        if p.n != 1 or p.num_beams != 1:
-            self.check_forks(r)
+        self.check_extensions(r, p)
 
-    def check_forks(self, r):  # n samples and beam search: the forks extension (ext/forks.py) runs them
-        raise ValueError(f"n {r.params.n}, num_beams {r.params.num_beams}: needs the forks extension, ext/forks.py")
+    def check_extensions(self, r, p):
+        """Refuse what p asks of an extension: n samples and beams (ext/forks.py), logprobs (ext/logprobs.py).
+        Each extension checks its own settings, then calls this with them at their defaults."""
+        asked = (p.n, p.num_beams, p.logprobs, p.prompt_logprobs)
+        if asked != (1, 1, None, None):
+            why = f"n {p.n}, num_beams {p.num_beams}, logprobs {p.logprobs}, prompt_logprobs {p.prompt_logprobs}"
+            raise ValueError(f"{why}: this engine lacks the extension (n, num_beams: ext/forks.py; ext/logprobs.py)")
 
     def run(self, requests):
         for r in requests:
@@ -102,8 +104,7 @@ class Engine:
         self.mark_computed(plan)
         # at least float32, as vLLM's (float64 stays for greedy rows; draws are float32); ids past the
         # vocabulary never win
-        dtype = torch.promote_types(logits.dtype, torch.float32)
-        logits = logits.to(dtype)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         logits[:, self.vocab_size :] = float("-inf")
         tokens = self.sample(logits, batch, samplers).tolist()  # the step's one transfer to the host
         self.notify("sampled", plan)
@@ -137,8 +138,7 @@ class Engine:
         """A token for every sampler, drawn on the device from its row's settings: (S,), left on the device."""
         params = [s.request.params for s, _, _ in samplers]
         best = [p.best(self.vocab_size) for p in params if p.temperature > 0]  # of the sampled rows
-        settings = self.settings[batch.sample_rows]  # (S, 5): each sampler's row's
-        return sample(logits, settings, batch.sample_pos, max(best, default=0), 0 in best)
+        return sample(logits, self.settings[batch.sample_rows], batch.sample_pos, max(best, default=0), 0 in best)
 
     def append_tokens(self, samplers, tokens):
         """Each token joins its sequence, which decodes from now on, done at max_new_tokens or eos; the request is

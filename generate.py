@@ -58,7 +58,16 @@ def parser():
         "--stop-at-eos",
         action="store_true",
         help="end a sequence at <|endoftext|> (kept as its last token), as transformers and vLLM do; "
-        "by default it runs to --max-new-tokens, as nanoGPT's sample.py",
+        "by default it runs to --max-new-tokens, as nanoGPT's sample.py. With --num-beams, a beam that ends is a "
+        "finished hypothesis, as transformers' beam search",
+    )
+    p.add_argument(
+        "--early-stopping",
+        choices=["false", "true", "never"],
+        default="false",
+        help="with --num-beams and --stop-at-eos: when beam search stops, as transformers' early_stopping: true, "
+        "once num_beams hypotheses have ended; false, once no live beam can beat them (its heuristic); never, "
+        "the same judged at --max-new-tokens when --length-penalty is positive",
     )
     p.add_argument(
         "--length-penalty",
@@ -74,6 +83,26 @@ def parser():
     )
     p.add_argument(
         "--top-k", type=number_type(1), help="sample among the k likeliest tokens; none with --num-beams (default: 200)"
+    )
+    p.add_argument(
+        "--top-p",
+        type=number_type(above=0, kind=float),
+        default=1.0,
+        help="sample among the likeliest tokens while the probability before them is below this (after --top-k), "
+        "as transformers' and vLLM's top_p; 1 keeps them all",
+    )
+    p.add_argument(
+        "--min-p",
+        type=number_type(0.0, kind=float),
+        default=0.0,
+        help="sample among the tokens at least this times as likely as the likeliest, as transformers' and vLLM's "
+        "min_p; 0 keeps them all",
+    )
+    p.add_argument(
+        "--logprobs",
+        type=number_type(0),
+        help="print each new token's log-probability and rank, and the N likeliest tokens' (raw: before "
+        "temperature and any cut, as vLLM's logprobs; at most 20); in --json too",
     )
     p.add_argument("--seed", type=int, default=1337, help="seeds sampling, the workload and arrivals")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
@@ -196,6 +225,8 @@ def parse_args(argv=None):
         ("--sweep-rates", args.sweep_rates, "--compare", args.compare),
         ("--num-blocks", args.num_blocks, "no --kv-budget", not args.kv_budget),
         ("--length-penalty", args.length_penalty != 1, "--num-beams", args.num_beams > 1),
+        ("--early-stopping", args.early_stopping != "false", "--num-beams", args.num_beams > 1),
+        ("--logprobs", args.logprobs is not None, "--paged", args.paged and not args.compare),
         ("--pool-map", args.pool_map, "--paged, without --compare", args.paged and not args.compare),
         ("--preemption swap", args.preemption == "swap", "--swap-blocks N", args.swap_blocks),
         ("--swap-blocks", args.swap_blocks, "--preemption swap", args.preemption == "swap"),
@@ -210,11 +241,15 @@ def parse_args(argv=None):
         check_sweep(args, sweep)
     args.prompt_len = args.prompt_len or (16, 128)
     args.new_tokens = args.new_tokens or (16, 128)
-    if args.num_beams > 1 and (args.num_samples > 1 or args.temperature or args.top_k or args.stop_at_eos):
+    beam_free = args.num_samples > 1 or args.temperature or args.top_k or args.top_p < 1 or args.min_p
+    if args.num_beams > 1 and (beam_free or args.logprobs is not None):
         fail(
-            f"--num-beams {args.num_beams} is greedy beam search to --max-new-tokens: it takes no --num-samples, "
-            "--temperature, --top-k or --stop-at-eos"
+            f"--num-beams {args.num_beams} is greedy beam search, scored per beam: it takes no --num-samples, "
+            "--temperature, --top-k, --top-p, --min-p or --logprobs"
         )
+    if not args.top_p <= 1 or not args.min_p <= 1 or (args.logprobs or 0) > 20:
+        fail(f"--top-p {args.top_p} and --min-p {args.min_p} must be at most 1, --logprobs {args.logprobs} at most 20")
+    args.early_stopping = {"false": False, "true": True}.get(args.early_stopping, args.early_stopping)
     args.temperature = (0.0 if args.num_beams > 1 else 0.8) if args.temperature is None else args.temperature
     args.top_k = 200 if args.top_k is None and args.num_beams == 1 else args.top_k
     if args.kv_budget and args.kv_budget < args.block_size:

@@ -38,7 +38,7 @@ class BlockAllocator:
         return len(self.clean) + len(self.cached_free)
 
     def allocate(self, n=1):
-        if n > self.num_free():
+        if n > self.num_free():  # before any block moves: a refused allocation changes nothing
             raise RuntimeError(f"KV pool exhausted: {n} blocks asked, {self.num_free()} of {self.num_blocks} free")
         blocks = [self.clean.pop() for _ in range(min(n, len(self.clean)))]
         while len(blocks) < n:  # no clean block left: evict the least recently released cached one
@@ -133,8 +133,8 @@ def gather_attend(q, k_pool, v_pool, block_table, kv_len):
     keys = k_pool[block_table].to(acc)  # (B, W, block_size, H, D)
     q = q.to(acc) * D**-0.5
     scores = (q[:, None, None] * keys).sum(-1).view(B, -1, H)  # (B, L, H)
-    visible = torch.arange(scores.shape[1], device=q.device) < kv_len[:, None]  # (B, L)
-    p = scores.masked_fill(~visible[..., None], float("-inf")).softmax(1)
+    unseen = torch.arange(scores.shape[1], device=q.device) >= kv_len[:, None]  # (B, L): past each row's keys
+    p = scores.masked_fill(unseen[..., None], float("-inf")).softmax(1)
     values = v_pool[block_table].to(acc)  # (B, W, block_size, H, D)
     # Summed within each block first: the CPU kernel then walks one block's keys per 8-float slice of a head,
     # while they sit in cache, not a whole row's (bench/decode_attention.py: 1.4-2.1x at GPT-2 small's heads).
@@ -198,6 +198,6 @@ class PagedBatch(StepBatch):
         return compiled_gather_attend()(padded, *pools, table, kv_len)[: q.shape[0]]
 
     def chunk_kv(self, layer, chunk):
-        num_blocks = blocks_for(chunk.num_cached + chunk.end - chunk.start, self.k_pool.shape[2])
+        num_blocks = blocks_for(int(self.kv_lens[chunk.entry]), self.k_pool.shape[2])
         table = self.table[chunk.entry, None, :num_blocks]
         return gather_kv(self.k_pool[layer], table), gather_kv(self.v_pool[layer], table)

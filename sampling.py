@@ -50,7 +50,7 @@ def invert_cdf(x, least, u):
     return column.clamp(max=cdf.size(1) - 1)
 
 
-def sample(logits, settings, position, num_best=0, uncut=True):
+def sample(logits, settings, position, num_best, uncut):
     """logits (R, V); settings (R, 5): each row's temperature, top_k (SamplingParams.best), top_p, min_p and
     seed; position (R,) -> (R,) token ids. Greedy rows (temperature 0) take the argmax; the others draw at
     uniform(seed, position): a row that cuts (top_k or top_p) among its best, sorted, the others in id order.

@@ -20,11 +20,14 @@ class PagedEngine(Engine):
     compile_modes = ("auto", "on", "off")
 
     def __init__(self, model, *, num_blocks, block_size=16, token_budget=512, prefix_cache=True, compile="auto", **kw):
-        if min(block_size, token_budget, num_blocks) < 1 or compile not in self.compile_modes:
-            why = f"block_size {block_size}, token_budget {token_budget}, num_blocks {num_blocks} must be >= 1"
-            raise ValueError(f"{why}, compile {compile!r} one of {self.compile_modes}")
-        max_batch = min(kw.pop("max_batch", 64), token_budget)  # so that every decoding sequence fits in a step
-        super().__init__(model, max_batch=max_batch, **kw)  # and vocab_size
+        max_batch = kw.pop("max_batch", 64)
+        if min(block_size, token_budget, num_blocks, max_batch) < 1 or compile not in self.compile_modes:
+            why = (
+                f"block_size {block_size}, token_budget {token_budget}, num_blocks {num_blocks}, max_batch {max_batch}"
+            )
+            raise ValueError(f"{why} must be >= 1, compile {compile!r} one of {self.compile_modes}")
+        # no more sequences than a step's tokens, so that every decoding sequence fits in a step
+        super().__init__(model, max_batch=min(max_batch, token_budget), **kw)  # and vocab_size
         self.block_size = block_size
         self.token_budget = token_budget
         self.prefix_cache = prefix_cache

@@ -20,6 +20,11 @@ class SamplingParams:
     num_beams: int = 1  # beam search (greedy, as transformers' num_beams)
     length_penalty: float = 1.0  # a finished beam's score is divided by (new tokens) ** this, as HF's
     eos: int | None = None  # a token that ends each sequence sampling it (as HF's eos_token_id)
+    # raw log-probabilities, as vLLM's, with the logprobs extension (ext/logprobs.py): each sampled token's and its
+    # N likeliest ids', and (prompt_logprobs) each prompt token's from position prompt_logprobs_from on
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    prompt_logprobs_from: int = 1
 
     def best(self, vocab_size):
         """How many of the best ids hold those that top_k and top_p keep: top_k, every id for top_p alone, and 0

@@ -3,6 +3,7 @@
     forks.py   n samples and beam search, with copy-on-write      (SamplingParams n > 1, num_beams > 1)
     swap.py    swap preemption to host memory                      (swap_blocks > 0)
     speculative.py  prompt-lookup speculative decoding             (num_speculative_tokens > 0 or "auto")
+    logprobs.py  log-probabilities of sampled and prompt tokens      (SamplingParams logprobs, prompt_logprobs)
     cuda.py    one-copy staging and CUDA graphs of decode steps    (compile="graph"; captured on CUDA)
     compiled_steps.py  small steps as one compiled graph on a CPU  (compile="step")
 
@@ -18,22 +19,25 @@ import functools
 from ext.compiled_steps import CompiledSteps
 from ext.cuda import CudaGraphs
 from ext.forks import PagedForks
+from ext.logprobs import Logprobs
 from ext.speculative import Speculative
 from ext.swap import Swap
 from scheduler import PagedEngine
 
 __all__ = ["ServingEngine", "engine_class"]
 
-EXTENSIONS = (CompiledSteps, Speculative, PagedForks, Swap, CudaGraphs)  # in the order they compose
+EXTENSIONS = (CompiledSteps, Speculative, PagedForks, Logprobs, Swap, CudaGraphs)  # in the order they compose
 
 
-def engine_class(*, forks=False, swap=False, speculative=False, compile="auto"):
-    """PagedEngine with the extensions asked for: forks (n samples or beams), swap (a swap space), speculative
-    (speculative decoding), and the one that brings compile mode "graph" or "step". None asked: PagedEngine."""
+def engine_class(*, forks=False, logprobs=False, swap=False, speculative=False, compile="auto"):
+    """PagedEngine with the extensions asked for: forks (n samples or beams), logprobs, swap (a swap space),
+    speculative (speculative decoding), and the one that brings compile mode "graph" or "step". None asked:
+    PagedEngine."""
     wanted = {
         CompiledSteps: compile == "step",
         Speculative: speculative,
         PagedForks: forks,
+        Logprobs: logprobs,
         Swap: swap,
         CudaGraphs: compile == "graph",
     }

@@ -3,9 +3,11 @@ forks when its first tokens are drawn (sample i is seeded seed + i); beam search
 dying as their scores rank. On the paged engine forks share their parent's blocks, and a block held by more
 than one sequence is copied before it is written (copy-on-write).
 
-Forks plugs into any engine at check_forks, samplers, mark_computed, sample and append_tokens; PagedForks
+Forks plugs into any engine at check_extensions, samplers, mark_computed, sample and append_tokens; PagedForks
 adds the paged scheduler's side (blocks_needed, reserve_slot, preempt, admit_next, can_admit), as a beam group
 is preempted and readmitted whole. An engine gives a fork its parent's K/V in fork_kv."""
+
+from dataclasses import replace
 
 import torch
 
@@ -14,13 +16,13 @@ from sequence import Sequence, SequenceStatus
 
 
 class Beam(Sequence):
-    """A sequence of beam search: its summed log-probability, and its next-token log-probabilities, held until
-    every beam of its group has its own."""
+    """A sequence of beam search: its summed log-probability (a finished hypothesis's: over its new tokens **
+    length_penalty), and its next-token log-probabilities, held until every beam of its group has its own."""
 
     def __init__(self, request, tokens, seed):
         super().__init__(request, tokens, seed)
         self.score = 0.0
-        self.logprobs = None
+        self.next_logprobs = None
 
 
 def width(r):
@@ -40,22 +42,32 @@ def is_beam(s):
 class Forks:
     """n samples and beam search, for an Engine subclass that defines fork_kv(parent, child)."""
 
-    def __init__(self, model, **kw):
+    def __init__(self, model, *, early_stopping=False, **kw):
         super().__init__(model, **kw)
+        if early_stopping not in (False, True, "never"):
+            raise ValueError(f"early_stopping {early_stopping!r} must be False, True or 'never', as Hugging Face's")
+        self.early_stopping = early_stopping  # when a beam group stops, as HF's generate(early_stopping=...)
         self.forked = []  # (parent, child) of the forks made this step: they take the K/V once it is written
         self.beam_logprobs = None  # the step's beams' next-token log-probabilities, on the host
+        self.hypotheses = {}  # a beam request -> its finished hypotheses, (score, tokens), best first
+        self.improvable = {}  # a beam request -> whether a live beam may still beat its worst hypothesis
 
     def add(self, r):
         if r.params.num_beams > 1 and not isinstance(r.sequences[0], Beam):
             r.sequences = [Beam(r, r.prompt, r.params.seed)]
         super().add(r)
 
-    def check_forks(self, r):  # the core calls it for n or num_beams other than 1
-        p = r.params
-        beam_ready = p.n == 1 and p.temperature == 0 and p.top_k is None and p.eos is None
+    def check_extensions(self, r, p):
+        """n samples and beams: checked here, then the core checks the rest with them at their defaults."""
+        if (p.n, p.num_beams) != (1, 1):
+            self.check_forks(r, p)
+        super().check_extensions(r, replace(p, n=1, num_beams=1))
+
+    def check_forks(self, r, p):
+        beam_ready = p.n == 1 and p.temperature == 0 and p.top_k is None and p.top_p == 1 and p.min_p == 0
         if min(p.n, p.num_beams) < 1 or (p.num_beams > 1 and not beam_ready):
             why = f"n {p.n} and num_beams {p.num_beams} must be at least 1"
-            raise ValueError(f"{why}; beam search is greedy and runs max_new_tokens: no n, temperature, top_k or eos")
+            raise ValueError(f"{why}; beam search is greedy: no n, temperature, top_k, top_p or min_p")
         if width(r) > self.max_batch:
             raise ValueError(f"{width(r)} sequences of one request exceed the {self.max_batch} that run at once")
 
@@ -63,15 +75,15 @@ class Forks:
         """Fork each prompt of n samples whose last chunk is planned, so that its forks draw in this step too,
         from its logits."""
         samplers = []
-        for s, i, _ in super().samplers(plan):
-            r = s.request
-            if r.params.n > 1 and len(r.sequences) == 1:
+        for x in super().samplers(plan):
+            r = x.sequence.request
+            if r.params.n > 1 and len(r.sequences) == 1 and not x.back:  # its prompt's last logits: fork
                 seeds = range(r.params.seed + 1, r.params.seed + r.params.n)
-                r.sequences += [self.fork(s, seed) for seed in seeds]
-                self.forked += [(s, x) for x in r.sequences[1:]]
-                samplers += [Sampler(x, i) for x in r.sequences]
+                r.sequences += [self.fork(x.sequence, seed) for seed in seeds]
+                self.forked += [(x.sequence, child) for child in r.sequences[1:]]
+                samplers += [Sampler(child, x.entry) for child in r.sequences]
             else:
-                samplers.append(Sampler(s, i))
+                samplers.append(x)
         return samplers
 
     def fork(self, s, seed):  # a sequence that runs on its own from s's tokens; fork_kv gives it s's K/V
@@ -103,37 +115,75 @@ class Forks:
         beams = [x for x in samplers if is_beam(x.sequence)]
         for (s, _, _), logprobs in zip(beams, self.beam_logprobs):
             s.status = SequenceStatus.DECODING
-            s.logprobs = logprobs
-            if all(b.logprobs is not None for b in s.request.sequences):
+            s.next_logprobs = logprobs
+            if all(b.next_logprobs is not None for b in s.request.sequences):
                 self.step_beams(s.request)
 
     def step_beams(self, r):
-        """One step of beam search for r's group, as HF's: the num_beams likeliest continuations of its
-        live beams by summed log-probability (float32) survive, best first; a beam continued more than once
-        forks, and a beam not continued dies and frees its blocks. Ends when the beams reach max_new_tokens."""
+        """One step of beam search for r's group, as Hugging Face's generate(num_beams=k, eos_token_id,
+        length_penalty, early_stopping): the 2k likeliest continuations of its live beams by summed
+        log-probability (float32); of the first k, those that end (at eos, or at max_new_tokens) join its
+        hypotheses, scored by their sum over (new tokens) ** length_penalty, the best k kept; the k best that do
+        not end run on (HF's, padded with ended ones scored 1e9 lower). A beam continued more than once forks;
+        one not continued dies and frees its blocks at once."""
+        k = r.params.num_beams
         beams = r.sequences
-        logprobs = torch.stack([b.logprobs for b in beams])  # (B, V)
-        scores = logprobs + torch.tensor([b.score for b in beams])[:, None]
-        # fewer than num_beams only when the vocabulary is smaller
-        top = scores.flatten().topk(min(r.params.num_beams, scores.numel()))
+        scores = torch.stack([b.next_logprobs for b in beams]) + torch.tensor([b.score for b in beams])[:, None]
+        top = scores.flatten().topk(min(2 * k, scores.numel()))  # (2k,): float32, best first
         V = scores.shape[1]
-        indices = top.indices.tolist()
-        values = top.values.tolist()
-        picks = [(beams[i // V], i % V, score) for i, score in zip(indices, values)]
-        parents = [parent for parent, _, _ in picks]
+        picks = [(beams[i // V], i % V) for i in top.indices.tolist()]
+        new_tokens = len(r.generated) + 1
+        ends = torch.tensor([token == r.params.eos or new_tokens == r.max_new_tokens for _, token in picks])
+        self.add_hypotheses(r, picks[:k], top.values[:k] / new_tokens**r.params.length_penalty, ends[:k])
+        running = (top.values - 1e9 * ends.float()).topk(min(k, len(picks)))
+        if self.beams_done(r, running.values[0], new_tokens) or bool(ends.all()):
+            return self.finish_beams(r)
+        parents = [picks[j][0] for j in running.indices.tolist()]
         for b in beams:
             if b not in parents:
                 self.stop(b, SequenceStatus.DEAD)
         r.sequences = self.continue_beams(parents)
-        for b, (_, token, score) in zip(r.sequences, picks):
-            b.tokens.append(token)
+        for b, j, score in zip(r.sequences, running.indices.tolist(), running.values.tolist()):
+            b.tokens.append(picks[j][1])
             b.score = score
-            b.logprobs = None
-        if len(r.generated) == r.max_new_tokens:
-            for b in r.sequences:
-                b.score /= r.max_new_tokens**r.params.length_penalty  # as HF scores a finished beam
-                self.stop(b, SequenceStatus.DONE)
-            self.finish(r)
+            b.next_logprobs = None
+
+    def add_hypotheses(self, r, picks, scores, ends):
+        """The picks that end join r's hypotheses, unless k are in and early_stopping is True, or no live beam
+        could beat them (HF's heuristic); the best k stay, best first."""
+        hypotheses = self.hypotheses.setdefault(r, [])
+        full = len(hypotheses) == r.params.num_beams
+        if not self.improvable.setdefault(r, True) or full and self.early_stopping is True:
+            return
+        for (b, token), score, end in zip(picks, scores.tolist(), ends.tolist()):
+            if end:
+                hypotheses.append((score, b.tokens + [token]))
+        hypotheses.sort(key=lambda h: -h[0])
+        del hypotheses[r.params.num_beams :]
+
+    def beams_done(self, r, best, new_tokens):
+        """Whether r's group stops: k hypotheses are in and early_stopping is True, or none of its live beams, the
+        best scoring `best`, can beat the worst of them (HF's heuristic: at its length now, or with
+        early_stopping "never" and a positive length_penalty, at max_new_tokens)."""
+        hypotheses, lp = self.hypotheses[r], r.params.length_penalty
+        if len(hypotheses) < r.params.num_beams:
+            return False
+        length = r.max_new_tokens if self.early_stopping == "never" and lp > 0 else new_tokens
+        if not best / length**lp > hypotheses[-1][0]:
+            self.improvable[r] = False
+        return self.early_stopping is True or not self.improvable[r]
+
+    def finish_beams(self, r):
+        """r's live beams stop, and its hypotheses, best first, become its sequences."""
+        for b in r.sequences:
+            self.stop(b, SequenceStatus.DONE)
+        r.sequences = []
+        for score, tokens in self.hypotheses.pop(r):
+            r.sequences.append(Beam(r, tokens, r.params.seed))
+            r.sequences[-1].score = score
+            r.sequences[-1].status = SequenceStatus.DONE
+        del self.improvable[r]
+        self.finish(r)
 
     def continue_beams(self, parents):
         """A beam for each pick: its parent the first time, then forks of it that share its K/V. Forks copy
@@ -187,7 +237,7 @@ class PagedForks(Forks):
         for x in reversed(self.group(s, self.running)):
             if isinstance(x, Beam):  # a beam that held its logprobs computes its last token again, for them
                 x.num_computed = min(x.num_computed, len(x.tokens) - 1)
-                x.logprobs = None
+                x.next_logprobs = None
             super().preempt(x)
 
     def admit_next(self):

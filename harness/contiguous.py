@@ -44,10 +44,12 @@ class ContiguousEngine(Forks, Engine):
     baselines do: the whole context (max: FasterTransformer, Orca (Max)), prompt + max_new_tokens
     rounded up to a power of two (pow2: Orca (Pow2)), or exactly (oracle: Orca (Oracle))."""
 
-    def __init__(self, model, *, max_batch=64, vocab_size=None, kv_budget=None, reserve="max"):
-        super().__init__(model, max_batch=max_batch, vocab_size=vocab_size)
-        if reserve not in ("max", "pow2", "oracle") or (kv_budget is not None and kv_budget < 1):
-            raise ValueError(f"reserve {reserve!r} must be max, pow2 or oracle, and kv_budget {kv_budget} at least 1")
+    def __init__(self, model, *, max_batch=64, vocab_size=None, kv_budget=None, reserve="max", early_stopping=False):
+        super().__init__(model, max_batch=max_batch, vocab_size=vocab_size, early_stopping=early_stopping)
+        if max_batch < 1 or reserve not in ("max", "pow2", "oracle") or (kv_budget is not None and kv_budget < 1):
+            raise ValueError(
+                f"max_batch {max_batch} and kv_budget {kv_budget} must be at least 1, reserve {reserve!r} max, pow2 or oracle"
+            )
         self.kv_budget = kv_budget
         self.reserve = reserve
         self.reserved = 0  # token slots reserved by the running sequences

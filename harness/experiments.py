@@ -79,7 +79,29 @@ def request_json(texts, requests, enc, speculation=None):
             ]
         if r in (speculation or {}):
             done[-1]["speculation"] = spec_figures(*speculation[r])
+        if r.params.logprobs is not None:
+            n = r.params.logprobs
+            done[-1]["logprobs"] = [logprobs_json(entry, enc, n) for entry in r.sequences[0].logprobs]
     return done
+
+
+def logprobs_json(entry, enc, n):
+    """A token's logprobs entry (ext/logprobs.py: its own id first, then the likeliest ids') -> the token, its
+    log-probability and rank, and the n likeliest tokens', itself among them if it is one."""
+    (token, own), *_ = entry.items()
+    top = sorted(entry.items(), key=lambda item: item[1].rank)[:n]
+    pick = dict(id=token, text=enc.decode([token]), logprob=own.logprob, rank=own.rank)
+    return dict(pick, top=[dict(id=i, text=enc.decode([i]), logprob=x.logprob, rank=x.rank) for i, x in top])
+
+
+def logprobs_lines(s, enc):
+    """Each new token of s, its log-probability and rank, and the likeliest tokens', one line each."""
+    lines = []
+    for entry in s.logprobs:
+        t = logprobs_json(entry, enc, s.request.params.logprobs)
+        top = ", ".join(f"{x['text']!r} {x['logprob']:.3f}" for x in t["top"])
+        lines.append(f"  {t['text']!r:>14} {t['logprob']:8.3f} (rank {t['rank']})" + (f" | {top}" if top else ""))
+    return "\n".join(lines)
 
 
 def spec_line(figures):
@@ -168,6 +190,9 @@ def report(args, kinds, texts, prompts, results, enc):
                 if r in results.speculation:
                     which += ", " + spec_line(spec_figures(*results.speculation[r]))
                 print(f"--- request {i}{which}, {len(s.generated)} new tokens\n{texts[i]}{enc.decode(s.generated)}")
+                if r.params.logprobs is not None:
+                    print(f"--- its tokens' logprobs (raw), each with its rank, then the {r.params.logprobs} likeliest")
+                    print(logprobs_lines(s, enc))
         m = runs[kinds[0]]
         print(
             f"--- {LABELS[kinds[0]]}: {m['output_tokens']:,} new tokens in {m['wall_s']:.2f} s, "

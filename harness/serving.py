@@ -71,6 +71,7 @@ def make_engine(model, kind, args, prompts, news, vocab_size):
             vocab_size=vocab_size,
             kv_budget=args.kv_budget,
             reserve=kind.partition("_")[2] or "max",
+            early_stopping=args.early_stopping,
         )
     width = max(args.num_samples, args.num_beams)
     # default: a pool that holds every sequence at once
@@ -91,11 +92,14 @@ def make_engine(model, kind, args, prompts, news, vocab_size):
     # exactly the extensions the flags ask for: a plain run is the bare PagedEngine
     cls = engine_class(
         forks=width > 1,
+        logprobs=args.logprobs is not None,
         swap=args.swap_blocks > 0,  # parse_args: none unless --preemption swap
         speculative=args.num_speculative_tokens != 0,
         compile=args.compile,
     )
     extras = {}
+    if width > 1:
+        extras.update(early_stopping=args.early_stopping)
     if args.swap_blocks:
         extras.update(swap_blocks=args.swap_blocks)
     if args.num_speculative_tokens:
@@ -161,6 +165,9 @@ def make_requests(args, prompts, news):
             SamplingParams(
                 temperature=args.temperature,
                 top_k=args.top_k,
+                top_p=args.top_p,
+                min_p=args.min_p,
+                logprobs=args.logprobs,
                 seed=args.seed + i * args.num_samples,
                 n=args.num_samples,
                 num_beams=args.num_beams,

@@ -12,6 +12,7 @@ from test_model import save_nanogpt_ckpt
 
 import generate
 from engine import Engine
+from harness.checkpoints import load_checkpoint
 from model import GPT, GPTConfig
 from scheduler import PagedEngine
 
@@ -166,7 +167,15 @@ def test_bad_workload_output_and_budget_flags_are_one_line_errors(ckpt, argv, me
         (["--num-beams", "2", "--temperature", "0.8"], "--num-beams 2 is greedy beam search"),
         (["--num-beams", "2", "--top-k", "5"], "--num-beams 2 is greedy beam search"),
         (["--num-beams", "2", "--num-samples", "3"], "--num-beams 2 is greedy beam search"),
-        (["--num-beams", "2", "--stop-at-eos"], "it takes no --num-samples, --temperature, --top-k or --stop-at-eos"),
+        (["--num-beams", "2", "--top-p", "0.9"], "it takes no --num-samples, --temperature, --top-k, --top-p, --min-p"),
+        (["--num-beams", "2", "--logprobs", "1", "--paged"], "--num-beams 2 is greedy beam search, scored per beam"),
+        (["--top-p", "0"], "argument --top-p: 0 must be above 0"),
+        (["--top-p", "1.5"], "--top-p 1.5 and --min-p 0.0 must be at most 1"),
+        (["--min-p", "-0.1"], "argument --min-p: -0.1 is below 0.0"),
+        (["--min-p", "2"], "--min-p 2.0 must be at most 1"),
+        (["--logprobs", "21", "--paged"], "--logprobs 21 at most 20"),
+        (["--logprobs", "3"], "--logprobs needs --paged"),
+        (["--early-stopping", "true"], "--early-stopping needs --num-beams"),
         (["--num-beams", "0"], "argument --num-beams: 0 is below 1"),
         (["--num-samples", "0"], "argument --num-samples: 0 is below 1"),
         (["--length-penalty", "0.5"], "--length-penalty needs --num-beams"),
@@ -449,3 +458,34 @@ def test_cli_pool_map_is_written_and_its_flag_checked_before_the_run(ckpt, tmp_p
         (["--paged", "--pool-map", "/dev/null/p.png"], "--pool-map /dev/null/p.png: cannot make the folder /dev/null"),
     ]:
         assert message in one_line_error(["--ckpt", ckpt] + argv)
+
+
+def test_logprobs_print_and_write_each_tokens_and_the_likeliest(ckpt, tmp_path, capsys):
+    """--logprobs 2: each new token's line with its logprob and rank, and the JSON's entries, equal log_softmax of
+    the model's logits over the whole sequence; --top-p and --min-p sample within what they keep."""
+    out = tmp_path / "l.json"
+    argv = ["--ckpt", ckpt, "--paged", "--prompt", "ROMEO:", "--max-new-tokens", "5", "--logprobs", "2"]
+    generate.main([*argv, "--top-p", "0.9", "--min-p", "0.05", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert "its tokens' logprobs (raw), each with its rank, then the 2 likeliest" in text
+    request = json.loads(out.read_text())["requests"][0]
+    model = load_checkpoint(ckpt)
+    tokens = request["prompt_tokens"] + request["output_tokens"]
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(torch.tensor(tokens)[None])[0][0].double(), -1)
+    assert [t["id"] for t in request["logprobs"]] == request["output_tokens"]
+    for i, t in enumerate(request["logprobs"]):
+        row = logprobs[len(request["prompt_tokens"]) + i - 1]
+        assert t["logprob"] == pytest.approx(float(row[t["id"]]), abs=1e-5)
+        assert abs(t["rank"] - int((row >= row[t["id"]]).sum())) <= 1  # float32 against float64: a tie may differ
+        assert [x["id"] for x in t["top"]] == row.topk(2).indices.tolist()
+        assert f"{t['logprob']:8.3f} (rank {t['rank']})" in text
+
+
+def test_beams_that_stop_at_eos_print_their_hypotheses(ckpt, tmp_path, capsys):
+    out = tmp_path / "b.json"
+    argv = ["--ckpt", ckpt, "--paged", "--prompt", "ROMEO:", "--max-new-tokens", "12", "--num-beams", "3"]
+    generate.main([*argv, "--stop-at-eos", "--early-stopping", "never", "--json", str(out)])
+    beams = json.loads(out.read_text())["requests"][0]["sequences"]
+    assert "best of 3 beams (score" in capsys.readouterr().out
+    assert len(beams) == 3 and [b["score"] for b in beams] == sorted((b["score"] for b in beams), reverse=True)

@@ -106,8 +106,12 @@ def test_soak_5000_short_requests_through_a_tiny_pool_leak_nothing(model):
         (([1], 5, dict(temperature=1.0, min_p=-0.1)), "min_p -0.1 in [0, 1]"),
         (([1], 5, dict(temperature=1.0, min_p=2)), "min_p 2 in [0, 1]"),
         # the core runs one sequence a request: samples and beams are the forks extension's
-        (([1], 5, dict(temperature=0.8, n=2)), "n 2, num_beams 1: needs the forks extension, ext/forks.py"),
-        (([1], 5, dict(num_beams=3)), "n 1, num_beams 3: needs the forks extension, ext/forks.py"),
+        (
+            ([1], 5, dict(temperature=0.8, n=2)),
+            "n 2, num_beams 1, logprobs None, prompt_logprobs None: this engine lacks",
+        ),
+        (([1], 5, dict(num_beams=3)), "n 1, num_beams 3, logprobs None, prompt_logprobs None: this engine lacks"),
+        (([1], 5, dict(logprobs=2)), "n 1, num_beams 1, logprobs 2, prompt_logprobs None: this engine lacks"),
     ],
 )
 def test_requests_that_can_never_run_are_refused_and_others_go_on(model, request_args, message):
@@ -127,7 +131,7 @@ def test_requests_that_can_never_run_are_refused_and_others_go_on(model, request
         (dict(block_size=0), "block_size 0"),
         (dict(token_budget=0), "token_budget 0"),
         (dict(num_blocks=0), "num_blocks 0"),
-        (dict(max_batch=0), "max_batch is 0"),
+        (dict(max_batch=0), "max_batch 0 must be >= 1"),
     ],
 )
 def test_bad_engine_arguments_are_refused(model, kwargs, message):

@@ -45,9 +45,9 @@ def test_sampler_draws_each_token_with_its_softmax_probability_and_top_k_cuts_th
             freq,
             want,
         )
-    alone = sample(logits, rows(ones, 0, seed), position)
-    assert torch.equal(alone, sample(logits, rows(ones, 0, seed), position))  # a pure function
-    assert not torch.equal(alone, sample(logits, rows(ones, 0, seed + 1), position))
+    alone = sample(logits, rows(ones, 0, seed), position, 0, True)
+    assert torch.equal(alone, sample(logits, rows(ones, 0, seed), position, 0, True))  # a pure function
+    assert not torch.equal(alone, sample(logits, rows(ones, 0, seed + 1), position, 0, True))
     # rows that keep every id, rows that cut, and greedy rows in one batch: each draws as it does alone
     mixed_k, mixed_t = torch.tensor([0, 3, 0] * (n // 3)), torch.tensor([1.0, 1.0, 0.0] * (n // 3))
     cut = sample(logits, rows(ones, 3, seed), position, 3, False)
@@ -115,3 +115,103 @@ def test_each_requests_own_temperature_top_k_and_seed_draw_what_the_recomputing_
         run_engine(engine, requests, arrivals=[0, 0, 1, 1, 2, 3, 3, 4], check=isinstance(engine, ServingEngine))
         assert [[s.generated for s in r.sequences] for r in requests] == want
     assert engine.meter.num_preemptions > 0
+
+
+def kept_ids(logits, temperature, top_k, top_p, min_p):
+    """The ids sample() may draw for one row (1, V) with these settings, read from the functions it draws
+    with: every id for a row that does not cut, else its candidates at or above the least value kept."""
+    from sampling import cut_value, scale
+
+    V = logits.shape[1]
+    best = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p).best(V)
+    t = torch.tensor([[temperature]], dtype=torch.float32)
+    least = torch.tensor([[min_p]], dtype=torch.float64).log()
+    if not best:
+        x = scale(logits.float(), t)
+        return set(torch.nonzero(x[0] >= least[0, 0]).flatten().tolist())
+    values, ids = logits.float().topk(V)  # every candidate: this helper reads the set, not sample()'s speed
+    x = scale(values, t)
+    least = torch.maximum(least, cut_value(x, torch.tensor([best]), torch.tensor([top_p], dtype=torch.float64)))
+    return set(ids[0][x[0] >= least[0, 0]].tolist())
+
+
+def hf_kept_ids(logits, temperature, top_k, top_p, min_p):
+    """The ids Hugging Face's warpers keep, in their order: temperature, top-k, top-p, min-p (float64)."""
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    scores = logits.double()
+    warpers = [TemperatureLogitsWarper(temperature)]
+    warpers += [TopKLogitsWarper(top_k)] if top_k else []
+    warpers += [TopPLogitsWarper(top_p)] if top_p < 1 else []
+    warpers += [MinPLogitsWarper(min_p)] if min_p else []
+    for warper in warpers:
+        scores = warper(None, scores)
+    return set(torch.nonzero(scores[0] > float("-inf")).flatten().tolist())
+
+
+def test_top_k_top_p_and_min_p_keep_hugging_faces_ids_on_random_logits_with_ties():
+    """On random logits, many of them tied (rounded to a coarse grid), at tiny to huge temperatures and every
+    combination of settings: the ids we may draw are the ones Hugging Face's warpers keep. Where top-p's
+    boundary falls inside a tie, HF keeps those of the tied ids its unstable sort puts first; we keep all of
+    them (as top-k keeps every id tied with the k-th, in HF too): exactly the ids at or above the least logit HF
+    keeps."""
+    rng = random.Random(5)
+    checked = boundary_ties = 0
+    for _ in range(300):
+        V = rng.choice([7, 50, 300])
+        grid = rng.choice([0.25, 0.5, 1.0])
+        logits = (torch.randn(1, V, dtype=torch.float64) * rng.choice([0.5, 2, 6]) / grid).round() * grid
+        temperature = rng.choice([1e-3, 0.3, 1.0, 2.5, 40.0])
+        top_k = rng.choice([None, 1, 3, 20, V + 5])
+        top_p = rng.choice([1.0, 0.9, 0.5, 0.1, 1e-6])
+        min_p = rng.choice([0.0, 0.05, 0.3, 0.9])
+        ours = kept_ids(logits, temperature, top_k, top_p, min_p)
+        hf = hf_kept_ids(logits, temperature, top_k, top_p, min_p)
+        least = min(logits[0, i] for i in hf)
+        assert hf <= ours == {i for i in range(V) if logits[0, i] >= least}, (V, temperature, top_k, top_p, min_p)
+        checked += 1
+        boundary_ties += ours != hf
+    assert checked == 300 and 0 < boundary_ties < checked / 2  # ties at top-p's boundary happen; most sets are HF's
+
+
+def test_the_draw_is_the_inverse_cdf_of_the_kept_distribution_at_our_uniform():
+    """A row with top-k, top-p and min-p draws the kept candidate, in order best first, whose CDF of the kept
+    probabilities at its temperature first passes uniform(seed, position)."""
+    rng = random.Random(8)
+    for _ in range(200):
+        V = rng.choice([30, 300])
+        logits = torch.randn(1, V, dtype=torch.float64) * 3
+        temperature, top_k, top_p, min_p = rng.choice([0.5, 1.0, 1.7]), rng.choice([5, 40]), 0.8, 0.02
+        seed, position = rng.randrange(1000), rng.randrange(200)
+        best = SamplingParams(temperature=1, top_k=top_k, top_p=top_p).best(V)
+        token = int(sample(logits, rows(temperature, best, seed, top_p, min_p), torch.tensor([position]), best, False))
+        kept = kept_ids(logits, temperature, top_k, top_p, min_p)
+        order = [i for i in logits[0].float().topk(V).indices.tolist() if i in kept]
+        p = torch.tensor([float(logits[0, i]) for i in order], dtype=torch.float32)
+        cdf = ((p - p.max()) / temperature).softmax(-1).cumsum(-1)
+        u = float(uniform(torch.tensor([seed]), torch.tensor([position])))
+        column = min(int((cdf <= u * cdf[-1]).sum()), len(order) - 1)
+        assert token == order[column]
+
+
+@pytest.mark.parametrize("top_p, min_p", [(0.7, 0.0), (1.0, 0.1), (0.9, 0.05)])
+def test_top_p_and_min_p_draw_the_same_alone_and_in_a_batch(model, top_p, min_p):
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9], [3, 2]]
+    news = [12, 20, 5, 16]
+
+    def make():
+        return [
+            Request(p, n, SamplingParams(temperature=1.2, top_k=k, top_p=top_p, min_p=min_p, seed=50 + i))
+            for i, (p, n, k) in enumerate(zip(prompts, news, [None, 30, None, 5]))
+        ]
+
+    together = run_engine(ServingEngine(model, num_blocks=40, block_size=4, max_batch=4), make())
+    for i in range(len(prompts)):
+        alone = run_engine(ServingEngine(model, num_blocks=40, block_size=4, max_batch=1), [make()[i]])
+        assert together[i] == alone[0]
+    assert together != baseline(model, prompts, news)

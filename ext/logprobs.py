@@ -1,0 +1,133 @@
+"""Log-probabilities of tokens, as vLLM returns them: SamplingParams(logprobs=N) gives each sampled token's and its
+N likeliest ids', and SamplingParams(prompt_logprobs=N) each prompt token's from position prompt_logprobs_from on
+(the first token has none: nothing comes before it). They are raw, as vLLM's default: log_softmax of the model's
+logits in float32 (float64 stays), before temperature and any cut, each with its rank among the ids (1: the
+likeliest). No processed form is offered: the sampler's kept ids live inside sampling.sample.
+
+A generated token's entry lands on its sequence (Sequence.logprobs), so n samples get theirs each; the prompt's on
+its request (Request.prompt_logprobs, None before prompt_logprobs_from). Each entry is a dict, vLLM's layout: the
+token's own id first, then the N likeliest, each an id -> Logprob(logprob, rank).
+
+Prompt logprobs read the logits of prompt positions: a step draws a Sampler at each such position of a prefill
+chunk (Sampler.back, speculation's seam), whose draw is dropped. The prefix cache still serves every full block
+that ends before the first position whose logits are needed (cacheable), so the choices of a multiple-choice
+question share their context's blocks; a position scored once is not scored again after a preemption.
+
+Plugs into the engine at check_extensions, cacheable, samplers, sample and append_tokens. Beams report their
+scores instead (ext/forks.py) and take neither."""
+
+from dataclasses import replace
+from typing import NamedTuple
+
+import torch
+
+from engine import Sampler
+from sequence import SequenceStatus
+
+MAX_LOGPROBS = 20  # the most likeliest ids an entry lists, vLLM's default max_logprobs
+
+
+class Logprob(NamedTuple):
+    logprob: float
+    rank: int  # how many ids are as likely or likelier: 1 for the likeliest
+
+
+class Logprobs:
+    """An engine mixin: log-probabilities where a request asks for them; a step with none asked runs as before."""
+
+    def __init__(self, model, **kw):
+        super().__init__(model, **kw)
+        self.scoring = set()  # this step's samplers at prompt positions: their draws are dropped
+        self.entries = {}  # this step's sampler -> the entry sample() made for it
+
+    def check_extensions(self, r, p):
+        """logprobs and prompt_logprobs: checked here, then the core checks the rest without them."""
+        if (p.logprobs, p.prompt_logprobs) != (None, None):
+            self.check_logprobs(r, p)
+        super().check_extensions(r, replace(p, logprobs=None, prompt_logprobs=None))
+
+    def check_logprobs(self, r, p):
+        for name, n in [("logprobs", p.logprobs), ("prompt_logprobs", p.prompt_logprobs)]:
+            if n is not None and not 0 <= n <= MAX_LOGPROBS:
+                raise ValueError(f"{name} {n} must be in 0..{MAX_LOGPROBS} (vLLM's default max_logprobs)")
+        if p.prompt_logprobs is not None and not 1 <= p.prompt_logprobs_from <= len(r.prompt):
+            why = f"prompt_logprobs_from {p.prompt_logprobs_from} must be in 1..{len(r.prompt)}"
+            raise ValueError(f"{why}, a position of the prompt (the first token has no logprob)")
+        if r.params.num_beams > 1:  # r's own: the forks extension hands p on with its settings at their defaults
+            raise ValueError("beams give their scores, not logprobs or prompt_logprobs")
+
+    def add(self, r):
+        if r.params.prompt_logprobs is not None:
+            r.prompt_logprobs = [None] * len(r.prompt)
+        super().add(r)
+
+    def cacheable(self, s):
+        """Until its prompt is scored, a sequence computes the positions whose logits score it."""
+        p = s.request.params
+        if p.prompt_logprobs is None or None not in s.request.prompt_logprobs[p.prompt_logprobs_from :]:
+            return super().cacheable(s)
+        return min(super().cacheable(s), p.prompt_logprobs_from - 1)
+
+    def samplers(self, plan):
+        """A sampler at each position of a prefill chunk whose logits score a prompt token not yet scored."""
+        samplers = super().samplers(plan)
+        self.scoring = set()
+        for i, (s, n) in enumerate(plan):
+            r = s.request
+            if r.params.prompt_logprobs is None or s.status is not SequenceStatus.PREFILLING:
+                continue
+            last = s.num_computed + n - 1  # the entry's last position: back 0
+            scored = range(max(s.num_computed, r.params.prompt_logprobs_from - 1), min(last + 1, len(r.prompt) - 1))
+            self.scoring.update(Sampler(s, i, last - p) for p in scored if r.prompt_logprobs[p + 1] is None)
+        return samplers + sorted(self.scoring, key=lambda x: (x.entry, -x.back))
+
+    def width(self, x):
+        """How many likeliest ids sampler x's entry lists, or None: its request asks for none here."""
+        p = x.sequence.request.params
+        return p.prompt_logprobs if x in self.scoring else p.logprobs
+
+    def sample(self, logits, batch, samplers):
+        """The engine's draw, and an entry for each sampler whose request asks for logprobs."""
+        tokens = super().sample(logits, batch, samplers)
+        self.entries = {}
+        asking = [x for x in samplers if self.width(x) is not None]
+        if not asking:
+            return tokens
+        rows = [j for j, x in enumerate(samplers) if self.width(x) is not None]
+        targets = tokens[rows]  # the drawn token, or at a prompt position the prompt's next token
+        scored = [j for j, x in enumerate(asking) if x in self.scoring]
+        if scored:  # a prompt sampler's sequence counts this step's tokens computed: the next is at num_computed - back
+            at = [asking[j].sequence.tokens[asking[j].sequence.num_computed - asking[j].back] for j in scored]
+            targets[scored] = torch.tensor(at, device=targets.device)
+        widths = [self.width(x) for x in asking]
+        self.entries = dict(zip(asking, entries(logits[rows], targets, widths)))
+        return tokens
+
+    def append_tokens(self, samplers, tokens):
+        """Each entry joins its sequence (a drawn token's) or its request's prompt (a prompt position's); the
+        draws at prompt positions go no further."""
+        kept = [(x, token) for x, token in zip(samplers, tokens) if x not in self.scoring]
+        for x in samplers:
+            entry = self.entries.get(x)
+            if x in self.scoring:
+                x.sequence.request.prompt_logprobs[x.sequence.num_computed - x.back] = entry
+            elif entry is not None:
+                vars(x.sequence).setdefault("logprobs", []).append(entry)
+        super().append_tokens([x for x, _ in kept], [token for _, token in kept])
+
+
+def entries(logits, targets, widths):
+    """logits (R, V), targets (R,), each row's width -> an entry for each row: {target: Logprob, then the
+    width likeliest ids'}, computed on the logits' device and brought to the host in one transfer."""
+    logprobs = torch.log_softmax(logits, -1)  # float32 at least: the engine samples in it
+    target = logprobs.gather(1, targets[:, None])  # (R, 1)
+    rank = (logprobs >= target).sum(-1)  # as vLLM's: ids tied with it count
+    top = logprobs.topk(max(widths))
+    host = [t.tolist() for t in (targets, target[:, 0], rank, top.indices, top.values)]
+    out = []
+    for token, value, k, ids, values, width in zip(*host, widths):
+        entry = {token: Logprob(value, k)}
+        for i, (top_id, top_value) in enumerate(zip(ids[:width], values[:width])):
+            entry.setdefault(top_id, Logprob(top_value, i + 1))
+        out.append(entry)
+    return out

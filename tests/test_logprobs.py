@@ -1,0 +1,154 @@
+"""Log-probabilities (ext/logprobs.py): each generated token's, and each prompt token's, equal log_softmax of the
+model's own logits over the whole sequence (float64), whatever the engine did on the way: chunked prefill,
+preemption by recompute or swap, prefix hits, speculative decoding, n samples; Hugging Face's output_logits
+give the same; bad settings are refused in one line."""
+
+import random
+
+import pytest
+import torch
+from conftest import run_engine, tiny_gpt
+
+from ext import ServingEngine, engine_class
+from harness.checkpoints import to_transformers
+from scheduler import PagedEngine
+from sequence import Request, SamplingParams
+
+
+def full_logprobs(model, tokens):
+    """log_softmax of the model's logits at every position of tokens, in one forward: (T, V)."""
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor(tokens)[None])[0][0], -1)
+
+
+def check_entry(entry, logprobs, token, width, tolerance=1e-9):
+    """entry: {token: Logprob, then the width likeliest}; logprobs: (V,) the position's."""
+    (own, first), *_ = entry.items()
+    assert own == token and first.logprob == pytest.approx(float(logprobs[token]), abs=tolerance)
+    assert first.rank == int((logprobs >= logprobs[token]).sum())  # vLLM's rank: ids as likely or likelier
+    top = sorted(entry.items(), key=lambda item: item[1].rank)[:width]
+    want = logprobs.topk(width)
+    assert [i for i, _ in top] == want.indices.tolist() or width == 0
+    assert [x.logprob for _, x in top] == pytest.approx(want.values.tolist(), abs=tolerance)
+    assert len(entry) in (width, width + 1)
+
+
+def check_request(model, r):
+    for s in r.sequences:
+        logprobs = full_logprobs(model, s.tokens)
+        if r.params.logprobs is not None:
+            assert len(s.logprobs) == len(s.generated)
+            for i, entry in enumerate(s.logprobs):
+                position = len(r.prompt) + i  # the token's; its logits are the position before's
+                check_entry(entry, logprobs[position - 1], s.tokens[position], r.params.logprobs)
+    if r.params.prompt_logprobs is not None:
+        start = r.params.prompt_logprobs_from
+        assert r.prompt_logprobs[:start] == [None] * start
+        for q in range(start, len(r.prompt)):
+            check_entry(r.prompt_logprobs[q], logprobs[q - 1], r.prompt[q], r.params.prompt_logprobs)
+
+
+def workload(seed, n=10):
+    """Prompts that share heads (prefix hits), with greedy, sampled and top-k/top-p requests, logprobs and
+    prompt logprobs from various positions."""
+    rng = random.Random(seed)
+    heads = [[rng.randrange(300) for _ in range(rng.randint(4, 12))] for _ in range(3)]
+    requests = []
+    for i in range(n):
+        prompt = rng.choice(heads) + [rng.randrange(300) for _ in range(rng.randint(1, 10))]
+        params = SamplingParams(
+            temperature=rng.choice([0.0, 0.8]),
+            top_k=rng.choice([None, 20]),
+            top_p=rng.choice([1.0, 0.9]),
+            seed=i,
+            logprobs=rng.choice([None, 0, 3]),
+            prompt_logprobs=rng.choice([None, 2]),
+            prompt_logprobs_from=rng.randint(1, len(prompt)),
+        )
+        requests.append(Request(prompt, rng.randint(1, 12), params))
+    return requests
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 16])
+def test_logprobs_equal_the_models_own_under_chunking_preemption_and_prefix_hits(model, block_size):
+    """A small pool and token budget: prompts are chunked (a chunk boundary inside the scored span),
+    sequences are preempted and recomputed, and heads hit the prefix cache."""
+    requests = workload(block_size)
+    for r in requests:  # long enough to outgrow the pool while others run: the model's context is 64
+        r.max_new_tokens = min(3 * r.max_new_tokens, 64 - len(r.prompt))
+    num_blocks = -(-64 // block_size)  # the longest request fits; the workload does not, at once
+    engine = engine_class(logprobs=True)(model, num_blocks=num_blocks, block_size=block_size, token_budget=7)
+    run_engine(engine, requests, arrivals=[0, 0, 1, 2, 2, 3, 5, 5, 6, 9], check=True)
+    for r in requests:
+        check_request(model, r)
+    assert engine.meter.num_preemptions > 0 and engine.meter.cached_tokens > 0
+
+
+def test_logprobs_hold_under_swap_speculation_and_n_samples(model):
+    """Every extension at once: swapped out and back, speculating (proposals accepted and rejected), and n
+    samples each with its own logprobs."""
+    requests = workload(7, n=8)
+    rep = [5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6]  # a prompt that repeats, so that prompt lookup proposes
+    requests += [
+        Request(rep, 10, SamplingParams(logprobs=2)),
+        Request(rep[:7], 8, SamplingParams(n=3, temperature=1.0, logprobs=1)),
+    ]
+    engine = ServingEngine(model, num_blocks=14, block_size=4, token_budget=9, swap_blocks=8, num_speculative_tokens=3)
+    run_engine(engine, requests, check=True)
+    for r in requests:
+        check_request(model, r)
+    assert engine.meter.swapped_out_blocks > 0 and engine.meter.proposed_tokens > 0
+    assert len({tuple(s.generated) for s in requests[-1].sequences}) > 1  # the samples differ, their logprobs too
+
+
+def test_logprobs_equal_log_softmax_of_hugging_faces_output_logits():
+    """Greedy, on the same float64 weights: our tokens and logprobs are log_softmax of HF generate's
+    output_logits at each step (which HF hands back in float32)."""
+    model = tiny_gpt(seed=3)
+    hf = to_transformers(model).double()
+    prompt = [11, 7, 42, 9, 3]
+    out = hf.generate(
+        torch.tensor([prompt]), max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True
+    )
+    r = Request(prompt, 6, SamplingParams(logprobs=4))
+    run_engine(engine_class(logprobs=True)(model, num_blocks=8, block_size=4), [r])
+    assert r.generated == out.sequences[0, len(prompt) :].tolist()
+    for entry, logits in zip(r.sequences[0].logprobs, out.logits):
+        check_entry(entry, torch.log_softmax(logits[0].double(), -1), next(iter(entry)), 4, tolerance=1e-5)
+
+
+def test_rows_that_ask_nothing_run_as_before(model):
+    """The extension changes no token: requests without logprobs draw what the bare core draws, beside
+    requests with them."""
+    requests = workload(3)
+    plain = [
+        Request(
+            r.prompt, r.max_new_tokens, SamplingParams(**{**vars(r.params), "logprobs": None, "prompt_logprobs": None})
+        )
+        for r in requests
+    ]
+    run_engine(engine_class(logprobs=True)(model, num_blocks=60, block_size=4), requests)
+    run_engine(PagedEngine(model, num_blocks=60, block_size=4), plain)
+    assert [r.generated for r in requests] == [r.generated for r in plain]
+
+
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        (dict(logprobs=21), "logprobs 21 must be in 0..20"),
+        (dict(logprobs=-1), "logprobs -1 must be in 0..20"),
+        (dict(prompt_logprobs=50), "prompt_logprobs 50 must be in 0..20"),
+        (dict(prompt_logprobs=1, prompt_logprobs_from=0), "prompt_logprobs_from 0 must be in 1..4"),
+        (dict(prompt_logprobs=1, prompt_logprobs_from=5), "prompt_logprobs_from 5 must be in 1..4"),
+        (dict(num_beams=2, logprobs=1), "beams give their scores, not logprobs"),
+    ],
+)
+def test_bad_logprobs_settings_are_refused_in_one_line(model, params, message):
+    engine = ServingEngine(model, num_blocks=8, block_size=4)
+    with pytest.raises(ValueError, match=message):
+        engine.add(Request([1, 2, 3, 4], 2, SamplingParams(**params)))
+
+
+def test_the_bare_core_refuses_logprobs_in_one_line(model):
+    with pytest.raises(ValueError, match=r"logprobs 1, prompt_logprobs None: this engine lacks the extension"):
+        PagedEngine(model, num_blocks=8, block_size=4).add(Request([1, 2], 2, SamplingParams(logprobs=1)))
