@@ -1,0 +1,103 @@
+"""Scoring text through the paged engine, as evaluation harnesses ask a model: the summed log-probability of a
+continuation after its context and whether it is the greedy one (lm-eval's loglikelihood), and the summed
+log-probability of whole texts in rolling windows (its loglikelihood_rolling, for perplexity).
+
+Every request runs through the engine at once, as serving does, each asking prompt logprobs from its
+continuation's first token on (ext/logprobs.py) and generating one token, as lm-eval's vLLM backend does. The
+context's full blocks stay in the prefix cache: the choices of a multiple-choice question compute their shared
+context once."""
+
+import itertools
+import random
+
+from ext import engine_class
+from sequence import Request, SamplingParams
+
+
+def scoring_engine(model, **settings):
+    """A paged engine with the logprobs extension, for these functions; settings as PagedEngine's (num_blocks is
+    required)."""
+    return engine_class(logprobs=True)(model, **settings)
+
+
+def loglikelihood(engine, pairs):
+    """pairs: [(context ids, continuation ids)] -> [(the continuation's summed log-probability after its context,
+    whether each of its tokens is the likeliest)], in order. A pair longer than the model's window keeps its last
+    window of tokens, as lm-eval does. Raises ValueError, in one line, for a pair it cannot score."""
+    requests = [scoring_request(engine, context, continuation) for context, continuation in pairs]
+    engine.run(requests)
+    return [score(r) for r in requests]
+
+
+def scoring_request(engine, context, continuation):
+    if not continuation or not context:
+        why = f"context of {len(context)} ids, continuation of {len(continuation)}"
+        raise ValueError(f"{why}: each needs a token (lm-eval's models put end-of-text before an empty context)")
+    tokens = list(context + continuation)[-engine.window :]
+    start = max(1, len(tokens) - len(continuation))  # the window's first token is scored by nothing before it
+    return Request(tokens, 1, SamplingParams(prompt_logprobs=0, prompt_logprobs_from=start))
+
+
+def score(r):
+    """The summed log-probability of r's scored prompt tokens, and whether each was the likeliest (rank 1)."""
+    entries = r.prompt_logprobs[r.params.prompt_logprobs_from :]
+    picks = [entry[token] for entry, token in zip(entries, r.prompt[r.params.prompt_logprobs_from :])]
+    return sum(x.logprob for x in picks), all(x.rank == 1 for x in picks)
+
+
+def rolling_windows(tokens, prefix_token, window):
+    """lm-eval's disjoint rolling windows with a context of 1 (get_rolling_token_windows, then
+    make_disjoint_window), each of at most `window` tokens with its context: (context, continuation) pairs whose
+    continuations tile the tokens in order, the first after prefix_token, each later one after as many of the
+    tokens before it as fit. lm-eval's max_seq_len is window - 1: the engine scores prompt tokens, so a window's
+    tokens all fit in the model's context (lm-eval's vLLM backend gives up one more, for the generated token)."""
+    inputs = window - 1  # the tokens a window feeds the model; it predicts as many
+    pairs = [([prefix_token], tokens[:inputs])] if tokens else []
+    predicted = inputs
+    while predicted < len(tokens):
+        end = min(len(tokens), predicted + inputs)
+        pairs.append((tokens[end - inputs - 1 : predicted], tokens[predicted:end]))
+        predicted = end
+    return pairs
+
+
+def loglikelihood_rolling(engine, texts, prefix_token):
+    """texts: [token ids] -> each text's summed log-probability, scored in rolling windows of the model's
+    window: every token once, after as many of the tokens before it as fit."""
+    windows = [rolling_windows(tokens, prefix_token, engine.window) for tokens in texts]
+    scores = loglikelihood(engine, [pair for text in windows for pair in text])
+    totals, i = [], 0
+    for text in windows:
+        totals.append(sum(logprob for logprob, _ in scores[i : i + len(text)]))
+        i += len(text)
+    return totals
+
+
+def multiple_choice(enc, num_questions=200, seed=0, context_tokens=(64, 192)):
+    """Questions from the held-out plays (each play's last tenth): a context of context_tokens (MIN, MAX) tokens
+    ending at a line's end, its true next line, and three verse lines of at least 20 characters from elsewhere
+    in the held-out text -> [(context, choices, index of the true one)], texts, choices in a seeded order. The
+    true line is at least 20 characters too, and differs from the others."""
+    from harness.checkpoints import shakespeare
+
+    rng = random.Random(seed)
+    text = shakespeare()[1]
+    starts = [i + 1 for i, c in enumerate(text) if c == "\n"]  # each line's first character
+    lines = [text[a:b] for a, b in itertools.pairwise(starts)]  # each with its newline
+    verse = [i for i, line in enumerate(lines) if len(line) > 20 and not line.rstrip().endswith(":")]
+    questions = []
+    while len(questions) < num_questions:
+        i = rng.choice(verse)
+        want = rng.randint(*context_tokens)
+        context = ""
+        for line in reversed(lines[:i]):  # whole lines, back from the true one, until the context is long enough
+            context = line + context
+            if len(enc.encode_ordinary(context)) >= want:
+                break
+        others = [lines[j] for j in rng.sample(verse, 8) if abs(j - i) > 50 and lines[j] != lines[i]][:3]
+        if len(others) < 3 or len(enc.encode_ordinary(context)) < context_tokens[0]:
+            continue
+        choices = others + [lines[i]]
+        rng.shuffle(choices)
+        questions.append((context, choices, choices.index(lines[i])))
+    return questions
