@@ -1,7 +1,34 @@
 """The engine that serves requests (sequence.py) in steps of one forward: plan -> batch -> forward -> sample ->
 bookkeeping. A subclass decides what runs (schedule) and where K/V live (make_batch, release): PagedEngine
 (scheduler.py), or the contiguous baseline (harness/contiguous.py). Extensions (ext/) subclass an engine and
-override the methods that name them."""
+override the methods that name them; the core imports none of them.
+
+The seams, each: who calls it -> who overrides it (ext/ unless named).
+    add(r)                  the user -> forks (a beam request's first Beam), logprobs (its prompt_logprobs list)
+    check_extensions(r, p)  check -> forks (n, num_beams), logprobs (logprobs, prompt_logprobs); the core refuses
+    schedule()              step -> PagedEngine, ContiguousEngine
+      schedule_decodes()    PagedEngine.schedule -> speculative (proposals after each next token)
+      reserve_slot(s)       schedule_decodes -> forks (copy a shared last block on write)
+      preempt(s)            make_room -> forks (a beam group whole); save_kv(s): preempt -> swap
+      admit_next()          schedule -> forks (a preempted beam group whole); admit(s, blocks): -> swap
+      cacheable(s)          admit_next -> logprobs (prompt logprobs: no cached block past the first scored token)
+      can_admit(s, cached)  admit_next -> forks (rows and block copies for n samples)
+      blocks_needed(r)      PagedEngine.check -> forks (a block set a beam)
+    samplers(plan)          step -> forks (a prompt's n samples), speculative (each proposal), logprobs (prompt)
+    make_batch(plan, ...)   step -> PagedEngine (batch_class: cuda's staging, speculative's verify rows), cuda
+                            (a padded decode step), compiled_steps (a small step's rows), ContiguousEngine
+    forward(batch)          step -> cuda (replays a captured graph), compiled_steps (its compiled graph); a padded
+                            batch's forward returns one logits row per sampler
+    mark_computed(plan)     step -> PagedEngine (the prefix cache), forks (forks take their parent's blocks),
+                            speculative (only verified tokens count)
+    sample(logits, ...)     step -> forks (a beam's log-probabilities), logprobs (the asked-for entries)
+    append_tokens(...)      step -> forks (beams step as a group), speculative (verify, roll back), logprobs
+    finish(r)               append_tokens -> forks (a beam group's hypotheses)
+    release(s)              stop -> PagedEngine, ContiguousEngine, speculative
+    notify(event, ...)      the engine -> its observers (harness/observer.py)
+Beside them: a batch's stage (cuda: one copy) and attend_chunks (speculative), Sequence.proposed (speculative),
+Sampler.back (speculative, logprobs), PagedEngine.compile_modes (cuda: graph; compiled_steps: step), and the block
+arithmetic extensions call: place_blocks, blocks_to_admit, spare_blocks."""
 
 import math
 from collections import deque

@@ -3,13 +3,14 @@
 python example.py
 """
 
-from ext import ServingEngine
+from ext import engine_class
 from harness.checkpoints import SHIPPED, get_tokenizer, load_checkpoint
 from harness.tuning import prepare
 from scheduler import PagedEngine
 from sequence import Request, SamplingParams
 
-# prepare: the process's settings, and on a CPU the linears packed for oneDNN (ext/tuning.py); engines touch neither
+# prepare: the process's settings, and on a CPU the linears packed for oneDNN (harness/tuning.py); engines touch
+# neither
 model = prepare(load_checkpoint(SHIPPED))
 enc = get_tokenizer(model.config.vocab_size)
 
@@ -17,15 +18,17 @@ enc = get_tokenizer(model.config.vocab_size)
 engine = PagedEngine(model, num_blocks=256, block_size=16)
 requests = [
     Request(enc.encode("ROMEO:\n"), 48),  # greedy
-    Request(enc.encode("JULIET:\n"), 48, SamplingParams(temperature=0.8, top_k=200, seed=1)),
+    Request(enc.encode("JULIET:\n"), 48, SamplingParams(temperature=0.8, top_k=200, top_p=0.95, seed=1)),
 ]
 engine.run(requests)
 for r in requests:
     print(f"--- {r.params}\n{enc.decode(r.prompt + r.generated)}")
 
-# every extension: n samples forked from one prefill, beam search, swap, CUDA graphs (ext/__init__.py)
-engine = ServingEngine(model, num_blocks=256, swap_blocks=64)
-request = Request(enc.encode("HAMLET:\n"), 32, SamplingParams(temperature=0.8, top_k=200, seed=1, n=2))
+# the extensions a request needs, composed on the core (ext/__init__.py): n samples forked from one prefill, and
+# each sampled token's log-probability with the 2 likeliest
+engine = engine_class(forks=True, logprobs=True)(model, num_blocks=256)
+request = Request(enc.encode("HAMLET:\n"), 32, SamplingParams(temperature=0.8, top_k=200, seed=1, n=2, logprobs=2))
 engine.run([request])
 for s in request.sequences:
-    print(f"--- sample seeded {s.seed}\n{enc.decode(s.tokens)}")
+    first = [round(next(iter(entry.values())).logprob, 2) for entry in s.logprobs[:5]]
+    print(f"--- sample seeded {s.seed}, its first tokens' logprobs {first}\n{enc.decode(s.tokens)}")

@@ -153,12 +153,12 @@ def parser():
         choices=["auto", "on", "off", "graph", "step"],
         default="auto",
         help="paged decode attention through torch.compile (inductor). on: always; off: gather blocks + SDPA; "
-        "graph: decode steps padded to fixed shapes, each captured once as a CUDA graph and replayed (on a CPU, "
-        "padded without capture; not yet run on a GPU in its 2026-11-27 form). step (CPU): steps of at most 8 "
-        "sequences of at most 16 tokens each (batch-1 decoding, speculative verify steps) as one compiled graph "
-        "of the whole forward. auto: compiled on CUDA; on a CPU, compiled for steps of 16 or more decode rows "
-        "(measured as fast or faster). The one-time compile (~20 s, a few once cached; for step ~60 s, ~35 s cached) and "
-        "capture are shown before the run",
+        "auto: compiled on CUDA; on a CPU, for steps of 16 or more decode rows (measured as fast or faster). "
+        "graph (ext/cuda.py): decode steps padded to fixed shapes, each captured once as a CUDA graph and replayed "
+        "(on a CPU, padded without capture; this form has not run on a GPU yet, so auto does not choose it). step "
+        "(ext/compiled_steps.py, CPU): steps of at most 8 sequences of at most 16 tokens each (batch-1 decoding, "
+        "speculative verify steps) as one compiled graph of the whole forward. The one-time compile (~20 s, a "
+        "few once cached; for step ~60 s, ~35 s cached) and capture are shown before the run",
     )
     p.add_argument(
         "--num-speculative-tokens",

@@ -12,7 +12,7 @@ from sequence import SequenceStatus
 
 class PagedEngine(Engine):
     """K/V in a pool of num_blocks blocks of block_size tokens, full blocks shared through the prefix cache.
-    It changes nothing outside itself: on a CPU, ext.prepare(model) packs the model's linears for oneDNN and
+    It changes nothing outside itself: on a CPU, harness.tuning.prepare(model) packs the model's linears for oneDNN and
     sets the process's allocator first (example.py), which the command line does too."""
 
     batch_class = PagedBatch  # the CUDA extension's stages each step in one copy (ext/cuda.py)

@@ -16,8 +16,6 @@ Plugs into the paged engine at make_batch and forward; a step with more rows or 
 chunk) runs as before."""
 
 import torch
-import torch._inductor.config as inductor_config
-import torch.fx.experimental._config as fx_config
 
 from batch import longs
 from model import attend
@@ -25,16 +23,24 @@ from paged import blocks_for
 
 MAX_ROWS = 8  # steps of at most this many entries...
 MAX_ROW_TOKENS = 16  # ...of at most this many tokens each
-# NOTE: two sizes equal at the first call would share one symbol in the graph (dynamo's duck shaping), and a
-# later step where they differ would compile a second graph. (This and the settings below are torch's private
-# configuration, as of torch 2.13.)
-DISTINCT_SIZES = fx_config.patch(use_duck_shape=False)
-# the weights frozen into the graph as constants (torch.compile's options do not reach freezing), its GEMMs
-# inductor's own C++ kernels where they time faster than oneDNN's (max_autotune: 1.2-1.3x the forward's speed
-# at batch 1, for a first compile of ~60 s, ~35 s once cached), and its kernels called from C++, not Python
-INDUCTOR_SETTINGS = inductor_config.patch(
-    freezing=True, max_autotune=True, max_autotune_gemm_backends="CPP,ATEN", cpp_wrapper=True
-)
+
+
+def graph_settings():
+    """torch's private configuration (as of torch 2.13) that the small steps' graph compiles under, read only once
+    compile="step" is asked for: other torch versions may lack it.
+    NOTE: two sizes equal at the first call would share one symbol in the graph (dynamo's duck shaping), and a
+    later step where they differ would compile a second graph: use_duck_shape off. The weights frozen into the
+    graph as constants (torch.compile's options do not reach freezing), its GEMMs inductor's own C++ kernels where
+    they time faster than oneDNN's (max_autotune: 1.2-1.3x the forward's speed at batch 1, for a first compile of
+    ~60 s, ~35 s once cached), and its kernels called from C++, not Python."""
+    import torch._inductor.config as inductor_config
+    import torch.fx.experimental._config as fx_config
+
+    distinct_sizes = fx_config.patch(use_duck_shape=False)
+    inductor = inductor_config.patch(
+        freezing=True, max_autotune=True, max_autotune_gemm_backends="CPP,ATEN", cpp_wrapper=True
+    )
+    return distinct_sizes, inductor
 
 
 class RowBatch:
@@ -154,6 +160,7 @@ class CompiledSteps:
         if self.compile == "step" and self.device.type != "cpu":
             raise ValueError("compile 'step' compiles small steps on a CPU; on CUDA, ask for 'graph'")
         if self.compile == "step":
+            self.graph_settings = graph_settings()
             self.compiled_forward = torch.compile(forward_rows, dynamic=True)
             self.slot_pool = alias(self.kv_pool.flatten(2, 3))  # (2, n_layer, slots, H, D)
 
@@ -167,7 +174,8 @@ class CompiledSteps:
     def forward(self, batch):
         if not isinstance(batch, RowBatch):
             return super().forward(batch)
-        with DISTINCT_SIZES, INDUCTOR_SETTINGS:
+        distinct_sizes, inductor = self.graph_settings
+        with distinct_sizes, inductor:
             logits, new_kv = self.compiled_forward(self.model, batch)
         self.slot_pool.index_copy_(2, batch.slots, new_kv)  # every layer's K and V in one indexed copy
         return logits[:-2]  # the samplers' rows, without the two that keep the graph's sizes above 1

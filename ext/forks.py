@@ -64,10 +64,12 @@ class Forks:
         super().check_extensions(r, replace(p, n=1, num_beams=1))
 
     def check_forks(self, r, p):
-        beam_ready = p.n == 1 and p.temperature == 0 and p.top_k is None and p.top_p == 1 and p.min_p == 0
-        if min(p.n, p.num_beams) < 1 or (p.num_beams > 1 and not beam_ready):
-            why = f"n {p.n} and num_beams {p.num_beams} must be at least 1"
-            raise ValueError(f"{why}; beam search is greedy: no n, temperature, top_k, top_p or min_p")
+        if min(p.n, p.num_beams) < 1:
+            raise ValueError(f"n {p.n} and num_beams {p.num_beams} must be at least 1")
+        drawing = p.temperature or p.top_k is not None or p.top_p < 1 or p.min_p
+        if p.num_beams > 1 and (p.n > 1 or drawing):
+            why = f"num_beams {p.num_beams}: beam search is greedy"
+            raise ValueError(f"{why}: no n, temperature, top_k, top_p or min_p")
         if width(r) > self.max_batch:
             raise ValueError(f"{width(r)} sequences of one request exceed the {self.max_batch} that run at once")
 
@@ -109,9 +111,8 @@ class Forks:
         """A beam holds its log-probabilities instead of a token; its group steps once all its beams hold theirs."""
         if self.beam_logprobs is None:  # no beam sampled this step
             return super().append_tokens(samplers, tokens)
-        plain = [x for x in samplers if not is_beam(x.sequence)]
-        plain_tokens = [token for x, token in zip(samplers, tokens) if not is_beam(x.sequence)]
-        super().append_tokens(plain, plain_tokens)
+        plain = [j for j, x in enumerate(samplers) if not is_beam(x.sequence)]
+        super().append_tokens([samplers[j] for j in plain], [tokens[j] for j in plain])
         beams = [x for x in samplers if is_beam(x.sequence)]
         for (s, _, _), logprobs in zip(beams, self.beam_logprobs):
             s.status = SequenceStatus.DECODING
@@ -128,22 +129,28 @@ class Forks:
         one not continued dies and frees its blocks at once."""
         k = r.params.num_beams
         beams = r.sequences
-        scores = torch.stack([b.next_logprobs for b in beams]) + torch.tensor([b.score for b in beams])[:, None]
+        next_logprobs = torch.stack([b.next_logprobs for b in beams])  # (B, V)
+        scores = next_logprobs + torch.tensor([b.score for b in beams])[:, None]  # summed, in float32 as HF's
         top = scores.flatten().topk(min(2 * k, scores.numel()))  # (2k,): float32, best first
         V = scores.shape[1]
         picks = [(beams[i // V], i % V) for i in top.indices.tolist()]
         new_tokens = len(r.generated) + 1
-        ends = torch.tensor([token == r.params.eos or new_tokens == r.max_new_tokens for _, token in picks])
-        self.add_hypotheses(r, picks[:k], top.values[:k] / new_tokens**r.params.length_penalty, ends[:k])
-        running = (top.values - 1e9 * ends.float()).topk(min(k, len(picks)))
-        if self.beams_done(r, running.values[0], new_tokens) or bool(ends.all()):
+        last = new_tokens == r.max_new_tokens
+        ends = torch.tensor([last or token == r.params.eos for _, token in picks])
+        penalized = top.values[:k] / new_tokens**r.params.length_penalty  # an ended pick's score, as HF's
+        self.add_hypotheses(r, picks[:k], penalized, ends[:k])
+        runners = top.values - 1e9 * ends.float()  # HF's: ended picks run on only where k others cannot
+        running = runners.topk(min(k, len(picks)))
+        every_pick_ends = ends.all()  # at max_new_tokens, or all at eos
+        if every_pick_ends or self.beams_done(r, running.values[0], new_tokens):
             return self.finish_beams(r)
         parents = [picks[j][0] for j in running.indices.tolist()]
         for b in beams:
             if b not in parents:
                 self.stop(b, SequenceStatus.DEAD)
         r.sequences = self.continue_beams(parents)
-        for b, j, score in zip(r.sequences, running.indices.tolist(), running.values.tolist()):
+        chosen = zip(running.indices.tolist(), running.values.tolist())
+        for b, (j, score) in zip(r.sequences, chosen):
             b.tokens.append(picks[j][1])
             b.score = score
             b.next_logprobs = None
@@ -217,11 +224,11 @@ class PagedForks(Forks):
         """s's next token goes in a block others hold too: copy it into a new block that s holds alone (shared
         blocks are never written). May preempt s itself."""
         k = s.num_computed // self.block_size  # the block its next token goes in
-        if k == len(s.block_table) or self.allocator.ref_count[s.block_table[k]] == 1:
+        shared = s.block_table[k] if k < len(s.block_table) else None
+        if shared is None or self.allocator.ref_count[shared] == 1:
             return super().reserve_slot(s)
         if not self.make_room(s):
             return
-        shared = s.block_table[k]
         [block] = self.allocator.allocate(1)
         self.kv_pool[:, :, block] = self.kv_pool[:, :, shared]
         self.allocator.free([shared])
@@ -230,7 +237,9 @@ class PagedForks(Forks):
 
     def group(self, s, sequences):
         """s, with the rest of its beam group among `sequences`, in their order."""
-        return [x for x in sequences if x.request is s.request] if is_beam(s) else [s]
+        if not is_beam(s):
+            return [s]
+        return [x for x in sequences if x.request is s.request]
 
     def preempt(self, s):
         """s, with its whole beam group."""
@@ -245,15 +254,19 @@ class PagedForks(Forks):
         group = self.group(self.waiting[0], self.waiting)
         if len(group) == 1:
             return super().admit_next()
-        hits = [self.allocator.cached_prefix(x, self.cacheable(x)) if self.prefix_cache else [] for x in group]
+        cached_prefix = self.allocator.cached_prefix
+        hits = [cached_prefix(x, self.cacheable(x)) if self.prefix_cache else [] for x in group]
         # a free block that several members hit is counted for each: admission waits for more than it takes
         need = sum(self.blocks_to_admit(x, cached) for x, cached in zip(group, hits))
-        if sum(num_rows(x) for x in self.running + group) > self.max_batch or need > self.spare_blocks():
+        if sum(num_rows(x) for x in self.running + group) > self.max_batch:
+            return []
+        if need > self.spare_blocks():
             return []
         # NOTE: every hit is shared before any member allocates, which could evict a free cached block
         # that another member of the group is about to share
-        for block in (block for cached in hits for block in cached):
-            self.allocator.share(block)
+        for cached in hits:
+            for block in cached:
+                self.allocator.share(block)
         for s, cached in zip(group, hits):
             self.waiting.popleft()  # the group heads the queue
             self.admit(s, cached)

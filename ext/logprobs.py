@@ -77,8 +77,10 @@ class Logprobs:
             if r.params.prompt_logprobs is None or s.status is not SequenceStatus.PREFILLING:
                 continue
             last = s.num_computed + n - 1  # the entry's last position: back 0
-            scored = range(max(s.num_computed, r.params.prompt_logprobs_from - 1), min(last + 1, len(r.prompt) - 1))
-            self.scoring.update(Sampler(s, i, last - p) for p in scored if r.prompt_logprobs[p + 1] is None)
+            first = max(s.num_computed, r.params.prompt_logprobs_from - 1)
+            positions = range(first, min(last + 1, len(r.prompt) - 1))  # each scores the prompt token after it
+            unscored = [q for q in positions if r.prompt_logprobs[q + 1] is None]
+            self.scoring.update(Sampler(s, i, last - q) for q in unscored)
         return samplers + sorted(self.scoring, key=lambda x: (x.entry, -x.back))
 
     def width(self, x):
@@ -89,16 +91,16 @@ class Logprobs:
     def sample(self, logits, batch, samplers):
         """The engine's draw, and an entry for each sampler whose request asks for logprobs."""
         tokens = super().sample(logits, batch, samplers)
-        self.entries = {}
-        asking = [x for x in samplers if self.width(x) is not None]
-        if not asking:
-            return tokens
         rows = [j for j, x in enumerate(samplers) if self.width(x) is not None]
+        self.entries = {}
+        if not rows:
+            return tokens
+        asking = [samplers[j] for j in rows]
         targets = tokens[rows]  # the drawn token, or at a prompt position the prompt's next token
         scored = [j for j, x in enumerate(asking) if x in self.scoring]
-        if scored:  # a prompt sampler's sequence counts this step's tokens computed: the next is at num_computed - back
-            at = [asking[j].sequence.tokens[asking[j].sequence.num_computed - asking[j].back] for j in scored]
-            targets[scored] = torch.tensor(at, device=targets.device)
+        if scored:
+            prompt_tokens = [next_prompt_token(asking[j]) for j in scored]
+            targets[scored] = torch.tensor(prompt_tokens, device=targets.device)
         widths = [self.width(x) for x in asking]
         self.entries = dict(zip(asking, entries(logits[rows], targets, widths)))
         return tokens
@@ -106,14 +108,22 @@ class Logprobs:
     def append_tokens(self, samplers, tokens):
         """Each entry joins its sequence (a drawn token's) or its request's prompt (a prompt position's); the
         draws at prompt positions go no further."""
-        kept = [(x, token) for x, token in zip(samplers, tokens) if x not in self.scoring]
-        for x in samplers:
+        drawn, drawn_tokens = [], []
+        for x, token in zip(samplers, tokens):
             entry = self.entries.get(x)
             if x in self.scoring:
                 x.sequence.request.prompt_logprobs[x.sequence.num_computed - x.back] = entry
-            elif entry is not None:
+                continue
+            if entry is not None:
                 vars(x.sequence).setdefault("logprobs", []).append(entry)
-        super().append_tokens([x for x, _ in kept], [token for _, token in kept])
+            drawn.append(x)
+            drawn_tokens.append(token)
+        super().append_tokens(drawn, drawn_tokens)
+
+
+def next_prompt_token(x):
+    """The prompt token a scoring sampler's logits predict: its sequence counts this step's tokens computed."""
+    return x.sequence.tokens[x.sequence.num_computed - x.back]
 
 
 def entries(logits, targets, widths):
@@ -127,7 +137,7 @@ def entries(logits, targets, widths):
     out = []
     for token, value, k, ids, values, width in zip(*host, widths):
         entry = {token: Logprob(value, k)}
-        for i, (top_id, top_value) in enumerate(zip(ids[:width], values[:width])):
-            entry.setdefault(top_id, Logprob(top_value, i + 1))
+        for i in range(width):  # the likeliest, ranked by their place
+            entry.setdefault(ids[i], Logprob(values[i], i + 1))
         out.append(entry)
     return out

@@ -122,7 +122,7 @@ def load_model(args):
         enc = get_tokenizer(model.config.vocab_size)
     except ValueError as e:
         fail(e)
-    prepare(model)  # process settings, and CPU linears packed for oneDNN (ext/tuning.py)
+    prepare(model)  # process settings, and CPU linears packed for oneDNN (harness/tuning.py)
     return model, enc
 
 

@@ -62,7 +62,7 @@ def test_compiled_verify_steps_give_plain_decodings_tokens(model, k):
 
 def test_one_graph_serves_every_small_step(model):
     """Rows, tokens per row, samplers, blocks and the pool's size all change between steps and engines; none
-    of them compiles a second graph (the sizes are padded to 2 and kept apart: see DISTINCT_SIZES)."""
+    of them compiles a second graph (the sizes are padded to 2 and kept apart: see graph_settings)."""
     run_engine(ServingEngine(model, num_blocks=50, block_size=4, compile="step"), [Request([1, 2], 3)])
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     prompts = repetitive_prompts(6, 3)

@@ -125,7 +125,7 @@ def test_beam_search_equals_transformers_generate_with_num_beams(tmp_path, k):
 
 @pytest.mark.parametrize("gelu", ["exact", "tanh"])
 def test_to_transformers_gives_our_logits_and_greedy_tokens_in_memory(gelu):
-    """ext/hf.py's to_transformers, the benchmarks' HF peer on the same weights: float64 logits equal ours, and
+    """harness/checkpoints.py's to_transformers, the benchmarks' HF peer on the same weights: float64 logits equal ours, and
     its greedy generate, with no eos, our greedy tokens."""
     from harness.checkpoints import to_transformers
 

@@ -71,7 +71,7 @@ def test_cached_decode_equals_full_recompute(model, cache):
 
 
 def test_prepare_packs_the_callers_big_linears_and_engines_never_serve_a_stale_packed_weight():
-    """An engine changes no model: ext.prepare, which generate.py and example.py call first, packs every float32
+    """An engine changes no model: harness.tuning.prepare, which generate.py and example.py call first, packs every float32
     Linear of 2**17 weights or more, and not the smaller ones (packed, they run slower). Both engines then give
     an unpacked copy's greedy tokens, and a weight changed after they were built is multiplied as it is now: its
     packed copy, made from the old version, is skipped."""

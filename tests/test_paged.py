@@ -190,7 +190,7 @@ def test_paged_on_cuda_equals_the_cpu_engines_token_for_token(model, compile):
 
 def test_prepare_turns_off_cudnn_attention_which_plans_every_new_shape_and_engines_leave_it(model):
     """On a GPU, SDPA's cuDNN backend builds a plan for each new shape, and a serving step's shapes change every
-    step: bf16 ran 7x slower end to end with it on an H200 (docs/compile.md#on-a-gpu). ext.prepare, which the
+    step: bf16 ran 7x slower end to end with it on an H200 (docs/compile.md#on-a-gpu). harness.tuning.prepare, which the
     command line and example.py call, turns it off; an engine changes no process-wide setting."""
     from harness.contiguous import ContiguousEngine
     from harness.tuning import prepare
