@@ -23,18 +23,19 @@ def scoring_engine(model, **settings):
 def loglikelihood(engine, pairs):
     """pairs: [(context ids, continuation ids)] -> [(the continuation's summed log-probability after its context,
     whether each of its tokens is the likeliest)], in order. A pair longer than the model's window keeps its last
-    window of tokens, as lm-eval does. Raises ValueError, in one line, for a pair it cannot score."""
+    window of tokens (lm-eval's HF backend keeps one more, a token the engine would have to feed and cannot).
+    Raises ValueError, in one line, for a pair it cannot score."""
     requests = [scoring_request(engine, context, continuation) for context, continuation in pairs]
     engine.run(requests)
     return [score(r) for r in requests]
 
 
 def scoring_request(engine, context, continuation):
-    if not continuation or not context:
+    if not continuation or not context or len(continuation) >= engine.window:
         why = f"context of {len(context)} ids, continuation of {len(continuation)}"
-        raise ValueError(f"{why}: each needs a token (lm-eval's models put end-of-text before an empty context)")
+        raise ValueError(f"{why}: each needs a token, and the continuation fewer than the window, {engine.window}")
     tokens = list(context + continuation)[-engine.window :]
-    start = max(1, len(tokens) - len(continuation))  # the window's first token is scored by nothing before it
+    start = len(tokens) - len(continuation)
     return Request(tokens, 1, SamplingParams(prompt_logprobs=0, prompt_logprobs_from=start))
 
 
