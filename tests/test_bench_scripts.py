@@ -40,6 +40,7 @@ RUNS = {
         ["--repeats", "1", "--shapes", "tiny", "--num-requests", "4", "--new-tokens", "8"],
         "same sampled outputs as torch.topk: 4/4",
     ),
+    "scoring.py": (["--smoke"], "< 1e-4: yes"),  # 8 questions, 2,000 held-out tokens; vLLM only with --vllm-python
     "speculation.py": (
         ["--repeats", "1", "--batches", "1", "--ks", "2", "--hf-ks", "", "--new-tokens", "16"],
         "| True |",
