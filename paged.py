@@ -97,9 +97,9 @@ class BlockAllocator:
             hits.append(block)
         return hits
 
-    def register_filled(self, s, num_before):
-        """Enter the blocks of s that filled since it had num_before tokens computed into the prefix cache."""
-        for k in range(num_before // self.block_size, s.num_computed // self.block_size):
+    def register_filled(self, s, start, end):
+        """Enter s's full blocks among its tokens start..end into the prefix cache."""
+        for k in range(start // self.block_size, end // self.block_size):
             self.register(s.block_table[k], self.block_hash(s, k), self.block_tokens(s, k))
 
 

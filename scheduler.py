@@ -60,11 +60,16 @@ class PagedEngine(Engine):
         budget = self.token_budget - sum(n for _, n in plan)
         prefilling = [s for s in self.running if s.status is SequenceStatus.PREFILLING]
         # admit while the budget outlasts the prefills, until the head of the queue must wait
+        fresh = prefilling[:]
         while self.waiting and budget > sum(s.num_uncomputed() for s in prefilling):
-            admitted = self.admit_next()
-            if not admitted:
+            # NOTE: each prefill completes in this step, every layer writing its K/V before any attends: a prompt
+            # admitted next shares their full blocks at once (vLLM V1 caches blocks as it schedules them)
+            for s in fresh if self.prefix_cache else []:
+                self.allocator.register_filled(s, s.num_computed, len(s.tokens))
+            fresh = self.admit_next()
+            if not fresh:
                 break
-            prefilling += admitted
+            prefilling += fresh
         for s in prefilling:
             if budget > 0:
                 n = min(s.num_uncomputed(), budget)
@@ -132,11 +137,8 @@ class PagedEngine(Engine):
 
     def can_admit(self, s, cached, copies=0):
         """Whether a row is free and free blocks cover s's tokens less the cached ones (and `copies` more),
-        leaving the watermark. Not while a running sequence computes s's next prefix block: s waits, and
-        shares that block next step."""
+        leaving the watermark."""
         if len(self.running) >= self.max_batch:
-            return False
-        if self.prefix_cache and self.prefix_in_flight(s, len(cached)):
             return False
         return self.blocks_to_admit(s, cached) + copies <= self.spare_blocks()
 
@@ -147,13 +149,6 @@ class PagedEngine(Engine):
 
     def spare_blocks(self):  # free blocks above the watermark; alone, a sequence may take it
         return self.allocator.num_free() - (self.watermark if self.running else 0)
-
-    def prefix_in_flight(self, s, k):
-        """Is a running sequence computing block k of s's prefix (not its last token's) in this step?"""
-        end = (k + 1) * self.block_size
-        unfilled = [x for x in self.running if x.num_computed < end <= len(x.tokens)]  # block k full, not computed
-        computing = [self.allocator.block_hash(x, k) for x in unfilled]
-        return end < len(s.tokens) and self.allocator.block_hash(s, k) in computing
 
     def admit(self, s, blocks):
         """s starts with `blocks` heading its tokens, already held: its cached prefix (the swap extension's
@@ -171,7 +166,7 @@ class PagedEngine(Engine):
         super().mark_computed(plan)
         if self.prefix_cache:  # the blocks that just filled join the prefix cache
             for s, n in plan:
-                self.allocator.register_filled(s, s.num_computed - n)
+                self.allocator.register_filled(s, s.num_computed - n, s.num_computed)
 
     def release(self, s):
         self.allocator.free(s.block_table)

@@ -150,6 +150,21 @@ def alias(t):
     return t_alias.set_(memory, t.storage_offset(), t.shape, t.stride())
 
 
+def reads_another_rows_writes(plan, block_size):
+    """Whether a row reads a block that another row writes in this step: a prompt admitted beside the one
+    computing its shared prefix (PagedEngine.schedule). The graph reads the pool before the step's K/V are
+    written, so such a step runs as the core runs it, each layer writing before it attends."""
+    writer = {}  # block -> the entry writing it
+    for i, (s, n) in enumerate(plan):
+        for position in range(s.num_computed, s.num_computed + n):
+            writer[s.block_table[position // block_size]] = i
+    for i, (s, n) in enumerate(plan):
+        read = s.block_table[: blocks_for(s.num_computed + n, block_size)]
+        if any(writer.get(block, i) != i for block in read):
+            return True
+    return False
+
+
 class CompiledSteps:
     """A PagedEngine mixin: compile="step" runs small steps on a CPU as one compiled graph (RowBatch)."""
 
@@ -167,7 +182,7 @@ class CompiledSteps:
     def make_batch(self, plan, samplers):
         longest = max(n for _, n in plan)
         small = len(plan) <= MAX_ROWS and longest <= MAX_ROW_TOKENS
-        if self.compile == "step" and small:
+        if self.compile == "step" and small and not reads_another_rows_writes(plan, self.block_size):
             return RowBatch(plan, samplers, self.slot_pool, self.block_size)
         return super().make_batch(plan, samplers)
 

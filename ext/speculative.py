@@ -273,7 +273,7 @@ class Speculative:
         self.allocator.free(s.block_table[keep:])
         del s.block_table[keep:]
         if self.prefix_cache:
-            self.allocator.register_filled(s, num_before)
+            self.allocator.register_filled(s, num_before, s.num_computed)
 
     def release(self, s):
         self.indexes.pop(s, None)

@@ -107,19 +107,31 @@ def check_swap_space(engine):
 
 
 def check_writes(engine):
-    """Wrap the engine's make_batch so that every step asserts that each block it writes is held once:
-    a block shared by forks or the prefix cache is never written (copy-on-write copies it first)."""
+    """Wrap the engine's make_batch so that every step asserts that each block it writes is written by one
+    sequence, and held by no other that could have read it: a block shared by forks is never written
+    (copy-on-write copies it first), and one shared from the prefix cache while a prompt computes it
+    (PagedEngine.schedule) is held besides only by prompts of this step that start past it, and read it
+    after each layer writes it."""
     make_batch = engine.make_batch
 
     def checked(plan, samplers):
         batch = make_batch(plan, samplers)
-        written = set((batch.slots // engine.block_size).tolist())
+        bs, num_blocks = engine.block_size, engine.allocator.num_blocks
+        writers = {}  # block -> the sequences whose new tokens go in it
+        for s, n in plan:
+            for position in range(s.num_computed, s.num_computed + n):
+                writers.setdefault(s.block_table[position // bs], set()).add(s)
+        written = set((batch.slots // bs).tolist())
         # a padded step's padding writes the padding block, block num_blocks, which no sequence holds
-        assert written <= set(range(engine.allocator.num_blocks + isinstance(batch, (GraphBatch, RowBatch))))
-        for block in written - {engine.allocator.num_blocks}:
-            assert engine.allocator.ref_count[block] == 1, (
-                f"block {block} is written while {engine.allocator.ref_count[block]} hold it"
-            )
+        assert written <= set(range(num_blocks + isinstance(batch, (GraphBatch, RowBatch))))
+        planned = {s for s, _ in plan}
+        for block in written - {num_blocks}:
+            assert len(writers[block]) == 1, f"block {block} is written by {len(writers[block])} sequences"
+            readers = [x for x in engine.running if block in x.block_table and x not in writers[block]]
+            for x in readers:
+                past = x.num_computed >= (x.block_table.index(block) + 1) * bs
+                assert x in planned and past, f"block {block} is written while another sequence holds it"
+            assert engine.allocator.ref_count[block] == 1 + len(readers)
         return batch
 
     engine.make_batch = checked

@@ -87,3 +87,18 @@ def test_step_is_refused_off_the_cpu(model):
         pytest.skip("no CUDA device")
     with pytest.raises(ValueError, match="compile 'step' compiles small steps on a CPU"):
         ServingEngine(copy.deepcopy(model).cuda(), num_blocks=10, compile="step")
+
+
+def test_a_prompt_sharing_a_prefix_computed_in_the_same_step_runs_eagerly_with_the_eager_tokens(model):
+    """Two prompts with one prefix admitted in one step: the second shares the first's blocks as they are
+    computed (PagedEngine.schedule). The graph reads the pool before the step's K/V are written, so that step
+    runs as the core runs it; the tokens are the eager engine's."""
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 1], [5, 6, 7, 8, 9, 10, 11, 12, 2]]
+    want = run_engine(ServingEngine(model, num_blocks=20, block_size=4), make_requests(prompts, [4, 4]))
+    engine = ServingEngine(model, num_blocks=20, block_size=4, compile="step")
+    rows = []
+    make_batch = engine.make_batch
+    engine.make_batch = lambda plan, samplers: rows.append(make_batch(plan, samplers)) or rows[-1]
+    assert run_engine(engine, make_requests(prompts, [4, 4]), check=True) == want
+    assert engine.meter.cached_tokens == 8 and not isinstance(rows[0], RowBatch)  # shared in the first step
+    assert any(isinstance(batch, RowBatch) for batch in rows[1:])  # the decode steps ran in the graph
