@@ -70,8 +70,7 @@ class Logprobs:
 
     def samplers(self, plan):
         """A sampler at each position of a prefill chunk whose logits score a prompt token not yet scored."""
-        samplers = super().samplers(plan)
-        self.scoring = set()
+        scoring = []
         for i, (s, n) in enumerate(plan):
             r = s.request
             if r.params.prompt_logprobs is None or s.status is not SequenceStatus.PREFILLING:
@@ -79,9 +78,10 @@ class Logprobs:
             last = s.num_computed + n - 1  # the entry's last position: back 0
             first = max(s.num_computed, r.params.prompt_logprobs_from - 1)
             positions = range(first, min(last + 1, len(r.prompt) - 1))  # each scores the prompt token after it
-            unscored = [q for q in positions if r.prompt_logprobs[q + 1] is None]
-            self.scoring.update(Sampler(s, i, last - q) for q in unscored)
-        return samplers + sorted(self.scoring, key=lambda x: (x.entry, -x.back))
+            unscored = [q for q in positions if r.prompt_logprobs[q + 1] is None]  # a preemption recomputes some
+            scoring += [Sampler(s, i, last - q) for q in unscored]
+        self.scoring = set(scoring)
+        return super().samplers(plan) + scoring
 
     def width(self, x):
         """How many likeliest ids sampler x's entry lists, or None: its request asks for none here."""
@@ -91,18 +91,18 @@ class Logprobs:
     def sample(self, logits, batch, samplers):
         """The engine's draw, and an entry for each sampler whose request asks for logprobs."""
         tokens = super().sample(logits, batch, samplers)
-        rows = [j for j, x in enumerate(samplers) if self.width(x) is not None]
+        widths = [self.width(x) for x in samplers]
+        rows = [j for j, width in enumerate(widths) if width is not None]
         self.entries = {}
         if not rows:
             return tokens
-        asking = [samplers[j] for j in rows]
         targets = tokens[rows]  # the drawn token, or at a prompt position the prompt's next token
-        scored = [j for j, x in enumerate(asking) if x in self.scoring]
+        scored = [i for i, j in enumerate(rows) if samplers[j] in self.scoring]
         if scored:
-            prompt_tokens = [next_prompt_token(asking[j]) for j in scored]
+            prompt_tokens = [next_prompt_token(samplers[rows[i]]) for i in scored]
             targets[scored] = torch.tensor(prompt_tokens, device=targets.device)
-        widths = [self.width(x) for x in asking]
-        self.entries = dict(zip(asking, entries(logits[rows], targets, widths)))
+        asked = entries(logits[rows], targets, [widths[j] for j in rows])
+        self.entries = {samplers[j]: entry for j, entry in zip(rows, asked)}
         return tokens
 
     def append_tokens(self, samplers, tokens):
@@ -130,14 +130,14 @@ def entries(logits, targets, widths):
     """logits (R, V), targets (R,), each row's width -> an entry for each row: {target: Logprob, then the
     width likeliest ids'}, computed on the logits' device and brought to the host in one transfer."""
     logprobs = torch.log_softmax(logits, -1)  # float32 at least: the engine samples in it
-    target = logprobs.gather(1, targets[:, None])  # (R, 1)
-    rank = (logprobs >= target).sum(-1)  # as vLLM's: ids tied with it count
-    top = logprobs.topk(max(widths))
-    host = [t.tolist() for t in (targets, target[:, 0], rank, top.indices, top.values)]
-    out = []
-    for token, value, k, ids, values, width in zip(*host, widths):
-        entry = {token: Logprob(value, k)}
-        for i in range(width):  # the likeliest, ranked by their place
-            entry.setdefault(ids[i], Logprob(values[i], i + 1))
-        out.append(entry)
+    target = logprobs.gather(1, targets[:, None])[:, 0]
+    rank = (logprobs >= target[:, None]).sum(-1)  # as vLLM's: ids tied with it count
+    host = [t.tolist() for t in (targets, target, rank)]
+    out = [{token: Logprob(value, k)} for token, value, k in zip(*host)]
+    if max(widths):  # the likeliest, each ranked by its place
+        top = logprobs.topk(max(widths))
+        values, ids = top.values.tolist(), top.indices.tolist()
+        for entry, row_ids, row_values, width in zip(out, ids, values, widths):
+            for i in range(width):
+                entry.setdefault(row_ids[i], Logprob(row_values[i], i + 1))
     return out
