@@ -112,7 +112,8 @@ class Forks:
         if self.beam_logprobs is None:  # no beam sampled this step
             return super().append_tokens(samplers, tokens)
         plain = [j for j, x in enumerate(samplers) if not is_beam(x.sequence)]
-        super().append_tokens([samplers[j] for j in plain], [tokens[j] for j in plain])
+        plain_tokens = [tokens[j] for j in plain]
+        super().append_tokens([samplers[j] for j in plain], plain_tokens)
         beams = [x for x in samplers if is_beam(x.sequence)]
         for (s, _, _), logprobs in zip(beams, self.beam_logprobs):
             s.status = SequenceStatus.DECODING
@@ -131,26 +132,31 @@ class Forks:
         beams = r.sequences
         next_logprobs = torch.stack([b.next_logprobs for b in beams])  # (B, V)
         scores = next_logprobs + torch.tensor([b.score for b in beams])[:, None]  # summed, in float32 as HF's
-        top = scores.flatten().topk(min(2 * k, scores.numel()))  # (2k,): float32, best first
+        # (2k,): float32, best first; k where only max_new_tokens ends a beam, as the extra k then never matter
+        num_picks = k if r.params.eos is None else 2 * k
+        top = scores.flatten().topk(min(num_picks, scores.numel()))
         V = scores.shape[1]
         picks = [(beams[i // V], i % V) for i in top.indices.tolist()]
         new_tokens = len(r.generated) + 1
         last = new_tokens == r.max_new_tokens
-        ends = torch.tensor([last or token == r.params.eos for _, token in picks])
-        penalized = top.values[:k] / new_tokens**r.params.length_penalty  # an ended pick's score, as HF's
-        self.add_hypotheses(r, picks[:k], penalized, ends[:k])
-        runners = top.values - 1e9 * ends.float()  # HF's: ended picks run on only where k others cannot
-        running = runners.topk(min(k, len(picks)))
-        every_pick_ends = ends.all()  # at max_new_tokens, or all at eos
-        if every_pick_ends or self.beams_done(r, running.values[0], new_tokens):
+        ends = [last or token == r.params.eos for _, token in picks]
+        if any(ends[:k]):
+            penalized = top.values[:k] / new_tokens**r.params.length_penalty  # an ended pick's score, as HF's
+            self.add_hypotheses(r, picks[:k], penalized.tolist(), ends[:k])
+        running = list(enumerate(top.values.tolist()))[:k]  # (pick, score) of the k best that run on
+        if any(ends):  # HF's: ended picks run on, scored 1e9 lower (float32), only where k others cannot
+            lowered = torch.tensor(ends) * 1e9  # float32
+            runners = (top.values - lowered).topk(min(k, len(picks)))
+            running = list(zip(runners.indices.tolist(), runners.values.tolist()))
+        done = all(ends) or self.beams_done(r, running[0][1], new_tokens)  # all end at max_new_tokens
+        if done:
             return self.finish_beams(r)
-        parents = [picks[j][0] for j in running.indices.tolist()]
+        parents = [picks[j][0] for j, _ in running]
         for b in beams:
             if b not in parents:
                 self.stop(b, SequenceStatus.DEAD)
         r.sequences = self.continue_beams(parents)
-        chosen = zip(running.indices.tolist(), running.values.tolist())
-        for b, (j, score) in zip(r.sequences, chosen):
+        for b, (j, score) in zip(r.sequences, running):
             b.tokens.append(picks[j][1])
             b.score = score
             b.next_logprobs = None
@@ -162,7 +168,7 @@ class Forks:
         full = len(hypotheses) == r.params.num_beams
         if not self.improvable.setdefault(r, True) or full and self.early_stopping is True:
             return
-        for (b, token), score, end in zip(picks, scores.tolist(), ends.tolist()):
+        for (b, token), score, end in zip(picks, scores, ends):
             if end:
                 hypotheses.append((score, b.tokens + [token]))
         hypotheses.sort(key=lambda h: -h[0])
@@ -172,11 +178,11 @@ class Forks:
         """Whether r's group stops: k hypotheses are in and early_stopping is True, or none of its live beams, the
         best scoring `best`, can beat the worst of them (HF's heuristic: at its length now, or with
         early_stopping "never" and a positive length_penalty, at max_new_tokens)."""
-        hypotheses, lp = self.hypotheses[r], r.params.length_penalty
+        hypotheses, lp = self.hypotheses.get(r, []), r.params.length_penalty
         if len(hypotheses) < r.params.num_beams:
             return False
         length = r.max_new_tokens if self.early_stopping == "never" and lp > 0 else new_tokens
-        if not best / length**lp > hypotheses[-1][0]:
+        if not torch.tensor(best) / length**lp > hypotheses[-1][0]:  # in float32, as HF's
             self.improvable[r] = False
         return self.early_stopping is True or not self.improvable[r]
 
