@@ -21,6 +21,28 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed")  # the generation kwargs the engine takes, but until
 
 
+def check_model_args(unknown, dtype, sizes):
+    """Raise ValueError, in one line, for a model_arg nanogpt-paged does not take or cannot use."""
+    if unknown:
+        raise ValueError(
+            f"unknown model_args {', '.join(sorted(unknown))}: nanogpt-paged takes ckpt, dtype, block_size, "
+            "num_blocks, token_budget, max_batch, prefix_cache, compile, max_gen_toks"
+        )
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} must be one of {', '.join(DTYPES)}")
+    for name, value in sizes.items():
+        if type(value) is not int or value < 1:  # the engine checks its own, after a default pool is sized
+            raise ValueError(f"{name} {value!r} must be an integer >= 1")
+
+
+def model_device(device):
+    """lm-eval's device, or where none is given or CUDA is asked without a GPU, what this machine has (lm-eval's
+    command line defaults to cuda:0, as its HF backend falls back)."""
+    if not device or device.startswith("cuda") and not torch.cuda.is_available():
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
 @register_model("nanogpt-paged")
 class NanoGPTPaged(TemplateLM):
     """A nanoGPT checkpoint (or a Hugging Face GPT-2 folder) served by the paged engine, for lm-eval.
@@ -81,23 +103,9 @@ class NanoGPTPaged(TemplateLM):
         **unknown,
     ):
         super().__init__()
-        if unknown:
-            raise ValueError(
-                f"unknown model_args {', '.join(sorted(unknown))}: nanogpt-paged takes ckpt, dtype, block_size, "
-                "num_blocks, token_budget, max_batch, prefix_cache, compile, max_gen_toks"
-            )
-        if dtype is not None and dtype not in DTYPES:
-            raise ValueError(f"dtype {dtype!r} must be one of {', '.join(DTYPES)}")
         sizes = dict(block_size=block_size, token_budget=token_budget, max_batch=max_batch, max_gen_toks=max_gen_toks)
-        for name, value in {**sizes, "num_blocks": 1 if num_blocks is None else num_blocks}.items():
-            if type(value) is not int or value < 1:  # the engine checks its own, after a default pool is sized
-                raise ValueError(f"{name} {value!r} must be an integer >= 1")
-        if isinstance(ckpt, GPT):
-            model = ckpt
-        else:
-            if not device or device.startswith("cuda") and not torch.cuda.is_available():
-                device = "cuda" if torch.cuda.is_available() else "cpu"  # lm-eval's default is cuda:0, as HF's
-            model = load_checkpoint(str(ckpt), device)
+        check_model_args(unknown, dtype, {**sizes, "num_blocks": 1 if num_blocks is None else num_blocks})
+        model = ckpt if isinstance(ckpt, GPT) else load_checkpoint(str(ckpt), model_device(device))
         self.model = model.to(DTYPES[dtype]) if dtype else model
         self.enc = get_tokenizer(model.config.vocab_size)
         self.window = model.config.block_size

@@ -42,8 +42,10 @@ def scoring_request(engine, context, continuation):
 def score(r):
     """The summed log-probability of r's scored prompt tokens, and whether each was the likeliest (rank 1)."""
     entries = r.prompt_logprobs[r.params.prompt_logprobs_from :]
-    picks = [entry[token] for entry, token in zip(entries, r.prompt[r.params.prompt_logprobs_from :])]
-    return sum(x.logprob for x in picks), all(x.rank == 1 for x in picks)
+    scored = r.prompt[r.params.prompt_logprobs_from :]
+    picks = [entry[token] for entry, token in zip(entries, scored)]
+    logprob = sum(x.logprob for x in picks)
+    return logprob, all(x.rank == 1 for x in picks)
 
 
 def rolling_windows(tokens, prefix_token, window):
@@ -57,7 +59,8 @@ def rolling_windows(tokens, prefix_token, window):
     predicted = inputs
     while predicted < len(tokens):
         end = min(len(tokens), predicted + inputs)
-        pairs.append((tokens[end - inputs - 1 : predicted], tokens[predicted:end]))
+        context = tokens[end - inputs - 1 : predicted]  # the window's other inputs
+        pairs.append((context, tokens[predicted:end]))
         predicted = end
     return pairs
 
@@ -69,7 +72,8 @@ def loglikelihood_rolling(engine, texts, prefix_token):
     scores = loglikelihood(engine, [pair for text in windows for pair in text])
     totals, i = [], 0
     for text in windows:
-        totals.append(sum(logprob for logprob, _ in scores[i : i + len(text)]))
+        text_scores = scores[i : i + len(text)]
+        totals.append(sum(logprob for logprob, _ in text_scores))
         i += len(text)
     return totals
 
@@ -85,7 +89,8 @@ def multiple_choice(enc, num_questions=200, seed=0, context_tokens=(64, 192)):
     text = shakespeare()[1]
     starts = [i + 1 for i, c in enumerate(text) if c == "\n"]  # each line's first character
     lines = [text[a:b] for a, b in itertools.pairwise(starts)]  # each with its newline
-    verse = [i for i, line in enumerate(lines) if len(line) > 20 and not line.rstrip().endswith(":")]
+    long_lines = [i for i, line in enumerate(lines) if len(line) > 20]
+    verse = [i for i in long_lines if not lines[i].rstrip().endswith(":")]  # no speaker's name
     questions = []
     while len(questions) < num_questions:
         i = rng.choice(verse)
@@ -95,7 +100,8 @@ def multiple_choice(enc, num_questions=200, seed=0, context_tokens=(64, 192)):
             context = line + context
             if len(enc.encode_ordinary(context)) >= want:
                 break
-        others = [lines[j] for j in rng.sample(verse, 8) if abs(j - i) > 50 and lines[j] != lines[i]][:3]
+        far = [j for j in rng.sample(verse, 8) if abs(j - i) > 50]  # lines from elsewhere in the plays
+        others = [lines[j] for j in far if lines[j] != lines[i]][:3]
         if len(others) < 3 or len(enc.encode_ordinary(context)) < context_tokens[0]:
             continue
         choices = others + [lines[i]]
