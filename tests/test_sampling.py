@@ -181,15 +181,19 @@ def test_top_k_top_p_and_min_p_keep_hugging_faces_ids_on_random_logits_with_ties
 
 def test_the_draw_is_the_inverse_cdf_of_the_kept_distribution_at_our_uniform():
     """A row with top-k, top-p and min-p draws the kept candidate, in order best first, whose CDF of the kept
-    probabilities at its temperature first passes uniform(seed, position)."""
+    probabilities at its temperature first passes uniform(seed, position); top_p alone too, on peaked logits and
+    on nearly flat ones, where it keeps most of the vocabulary."""
     rng = random.Random(8)
+    most = 0
     for _ in range(200):
-        V = rng.choice([30, 300])
-        logits = torch.randn(1, V, dtype=torch.float64) * 3
-        temperature, top_k, top_p, min_p = rng.choice([0.5, 1.0, 1.7]), rng.choice([5, 40]), 0.8, 0.02
+        V = rng.choice([30, 300, 3000])
+        logits = torch.randn(1, V, dtype=torch.float64) * rng.choice([0.05, 3])
+        temperature, top_k = rng.choice([0.5, 1.0, 1.7]), rng.choice([5, 40, None])
+        top_p, min_p = rng.choice([(0.8, 0.02), (0.95, 0.0)])
         seed, position = rng.randrange(1000), rng.randrange(200)
         best = SamplingParams(temperature=1, top_k=top_k, top_p=top_p).best(V)
-        token = int(sample(logits, rows(temperature, best, seed, top_p, min_p), torch.tensor([position]), best, False))
+        settings = rows(temperature, best, seed, top_p, min_p)
+        token = int(sample(logits, settings, torch.tensor([position]), best, False))
         kept = kept_ids(logits, temperature, top_k, top_p, min_p)
         order = [i for i in logits[0].float().topk(V).indices.tolist() if i in kept]
         p = torch.tensor([float(logits[0, i]) for i in order], dtype=torch.float32)
@@ -197,6 +201,8 @@ def test_the_draw_is_the_inverse_cdf_of_the_kept_distribution_at_our_uniform():
         u = float(uniform(torch.tensor([seed]), torch.tensor([position])))
         column = min(int((cdf <= u * cdf[-1]).sum()), len(order) - 1)
         assert token == order[column]
+        most += len(kept) > V / 2
+    assert most > 10  # rows that keep most of the vocabulary
 
 
 @pytest.mark.parametrize("top_p, min_p", [(0.7, 0.0), (1.0, 0.1), (0.9, 0.05)])
