@@ -1,18 +1,19 @@
-"""Sampled decode against greedy at batch 64 with GPT-2's vocabulary, and what sample() costs per step.
+"""Sampled decode against greedy at batch 64 with GPT-2's vocabulary, each sampling setting, and what sample() costs.
 
     python bench/sampling.py [--repeats 3] [--shapes tiny,gpt2] [--num-requests 64] [--new-tokens 128]
 
 Each shape is a random-weight GPT with GPT-2's padded 50,304-id vocabulary (50,257 real ids): "tiny" is
 the shipped model's 4 layers x 128, where the lm_head and sampling are most of a decode step; "gpt2" is
 GPT-2 small's 12 x 768. The workload is the one bench/floor.py samples on: 64 prompts of 16 tokens cut
-from the held-out plays, 128 new tokens each, all at once, one PagedEngine with its defaults. Greedy and
-sampled (temperature 0.8, top-k 200, a seed per request) alternate in one process after a warm-up of each;
-the ratio is taken per repeat. sample() is timed around the engine's own call, per step, median over the run.
-
-A third run per repeat, "sampled, two-level top-k", swaps torch.topk for an exact two-level selection
-while the engine samples (two_level_topk below): measured, not in the engine
-(docs/floor_and_sampling.md). The last repeat's sampled outputs of the two are compared. With --num-requests
-below 16 (nothing compiles), --new-tokens 16 and --repeats 1, a check that the script runs: no figures.
+from the held-out plays, 128 new tokens each, all at once, one PagedEngine with its defaults. Each repeat
+runs, alternated in one process after a warm-up of each: greedy; temperature 0.8 with top-k 200 (the
+"top-k" path); top-p 0.9 alone; min-p 0.05 alone; top-k 200 with logprobs=5 on every row (the engine
+composed with ext/logprobs.py); and top-k 200 through an exact two-level selection (two_level_topk below,
+measured, not in the engine: docs/floor_and_sampling.md). Ratios are taken per repeat; sample() is timed
+around the engine's own call, per step, median over the run. Random weights give nearly flat logits, so
+top-p 0.9 keeps most of the vocabulary here (the share is printed): the worst case for a sort. With
+--num-requests below 16 (nothing compiles), --new-tokens 16 and --repeats 1, a check that the script runs:
+no figures.
 """
 
 import argparse
@@ -25,6 +26,7 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from ext import engine_class
 from harness.checkpoints import get_tokenizer
 from harness.serving import workload
 from harness.tuning import prepare
@@ -54,14 +56,21 @@ def two_level_topk(x, k, *args, **kwargs):
 TORCH_TOPK = torch.Tensor.topk
 
 
-def run(model, prompts, news, temperature, two_level=False):
+RUNS = {  # name: (SamplingParams' settings besides the seed, the engine, two-level top-k)
+    "greedy": (dict(), PagedEngine, False),
+    "top-k": (dict(temperature=0.8, top_k=200), PagedEngine, False),
+    "top-p": (dict(temperature=0.8, top_p=0.9), PagedEngine, False),
+    "min-p": (dict(temperature=0.8, min_p=0.05), PagedEngine, False),
+    "logprobs": (dict(temperature=0.8, top_k=200, logprobs=5), engine_class(logprobs=True), False),
+    "two-level": (dict(temperature=0.8, top_k=200), PagedEngine, True),
+}
+
+
+def run(model, prompts, news, settings, engine_class, two_level=False):
     """-> (output tok/s, median ms per sample() call, the outputs)"""
-    requests = [
-        Request(p, n, SamplingParams(temperature=temperature, top_k=200 if temperature else None, seed=1337 + i))
-        for i, (p, n) in enumerate(zip(prompts, news))
-    ]
+    requests = [Request(p, n, SamplingParams(**settings, seed=1337 + i)) for i, (p, n) in enumerate(zip(prompts, news))]
     num_blocks = sum(blocks_for(len(p) + n - 1, 16) for p, n in zip(prompts, news))
-    engine = PagedEngine(model, num_blocks=num_blocks, vocab_size=50257)
+    engine = engine_class(model, num_blocks=num_blocks, vocab_size=50257)
     sample, times = engine.sample, []
 
     def timed_sample(*args):
@@ -83,6 +92,15 @@ def run(model, prompts, news, temperature, two_level=False):
         1000 * statistics.median(times),
         [r.generated for r in requests],
     )
+
+
+def top_p_share(model, prompts, top_p=0.9, temperature=0.8):
+    """The median share of the vocabulary that top-p keeps at the prompts' last tokens."""
+    with torch.no_grad():
+        logits = torch.stack([model(torch.tensor([p]))[0][0, -1, :50257] for p in prompts]) / temperature
+    p = logits.softmax(-1).sort(-1, descending=True).values
+    kept = ((p.cumsum(-1) - p) < top_p).sum(-1).float()
+    return float(kept.median()) / 50257
 
 
 def fmt(xs, unit=""):
@@ -115,30 +133,25 @@ def main():
         torch.manual_seed(0)
         model = GPT(GPTConfig(block_size=1024, vocab_size=50304, n_layer=n_layer, n_head=n_head, n_embd=n_embd)).eval()
         prepare(model)
-        runs = {"greedy": (0.0, False), "sampled": (0.8, False), "two-level": (0.8, True)}
-        for temperature, two_level in runs.values():  # warm-up: the compiled decode attention, the allocator
-            run(model, [p[:8] for p in prompts], [8] * len(prompts), temperature, two_level)
-        results = {name: [] for name in runs}
+        for settings, cls, two_level in RUNS.values():  # warm-up: the compiled decode attention, the allocator
+            run(model, [p[:8] for p in prompts], [8] * len(prompts), settings, cls, two_level)
+        results = {name: [] for name in RUNS}
         for _ in range(args.repeats):
-            for name, (temperature, two_level) in runs.items():
-                results[name].append(run(model, prompts, news, temperature, two_level))
-        (greedy, greedy_ms, _), (sampled, sampled_ms, outputs), (two, two_ms, two_outputs) = (
-            [list(x) for x in zip(*results[n])] for n in runs
-        )
+            for name, (settings, cls, two_level) in RUNS.items():
+                results[name].append(run(model, prompts, news, settings, cls, two_level))
+        rate, ms = ({n: [x[i] for x in results[n]] for n in RUNS} for i in (0, 1))
         print(
             f"-- {shape} ({n_layer} x {n_embd}, vocabulary 50,304): {len(prompts)} prompts of 16, {news[0]} new, "
-            "all at once"
+            f"all at once; top-p 0.9 keeps {top_p_share(model, prompts):.0%} of the vocabulary (median)"
         )
-        print(f"greedy                        {fmt(greedy, ' tok/s')}")
-        print(f"sampled (0.8, top-k 200)      {fmt(sampled, ' tok/s')}")
-        print(f"sampled / greedy, per repeat  {fmt([s / g for s, g in zip(sampled, greedy)], 'x')}")
-        print(f"sample() per step, greedy     {fmt(greedy_ms, ' ms')}")
-        print(f"sample() per step, sampled    {fmt(sampled_ms, ' ms')}")
-        print(f"sampled, two-level top-k      {fmt(two, ' tok/s')}")
-        print(f"  / greedy, per repeat        {fmt([s / g for s, g in zip(two, greedy)], 'x')}")
-        print(f"  sample() per step           {fmt(two_ms, ' ms')}")
-        same = sum(a == b for a, b in zip(outputs[-1], two_outputs[-1]))
-        print(f"  same sampled outputs as torch.topk: {same}/{len(prompts)}", flush=True)
+        print(f"{'':10} {'tok/s':>30} {'/ greedy':>18} {'/ top-k':>18} {'sample() ms/step':>22}")
+        for name in RUNS:
+            per_greedy = fmt([a / b for a, b in zip(rate[name], rate["greedy"])], "x")
+            per_top_k = fmt([a / b for a, b in zip(rate[name], rate["top-k"])], "x")
+            print(f"{name:10} {fmt(rate[name]):>30} {per_greedy:>18} {per_top_k:>18} {fmt(ms[name]):>22}")
+        for name in ("logprobs", "two-level"):  # the same draws as the top-k run's
+            same = sum(a == b for a, b in zip(results["top-k"][-1][2], results[name][-1][2]))
+            print(f"{name}: the same sampled outputs as top-k's: {same}/{len(prompts)}", flush=True)
 
 
 if __name__ == "__main__":

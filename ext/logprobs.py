@@ -129,14 +129,17 @@ def next_prompt_token(x):
 def entries(logits, targets, widths):
     """logits (R, V), targets (R,), each row's width -> an entry for each row: {target: Logprob, then the
     width likeliest ids'}, computed on the logits' device and brought to the host in one transfer."""
-    logprobs = torch.log_softmax(logits, -1)  # float32 at least: the engine samples in it
-    target = logprobs.gather(1, targets[:, None])[:, 0]
-    rank = (logprobs >= target[:, None]).sum(-1)  # as vLLM's: ids tied with it count
-    host = [t.tolist() for t in (targets, target, rank)]
+    # a log-probability is a logit less its row's logsumexp (float32 at least: the engine samples in it); no
+    # (R, V) log_softmax is written, as a row's ranks and likeliest ids are its logits'
+    log_total = logits.logsumexp(-1, keepdim=True)  # (R, 1)
+    target = logits.gather(1, targets[:, None])  # (R, 1)
+    # as vLLM's: ids tied with it count; summed in int32, twice as fast on a CPU as the default int64
+    rank = (logits >= target).sum(-1, dtype=torch.int32)
+    host = [t.tolist() for t in (targets, (target - log_total)[:, 0], rank)]
     out = [{token: Logprob(value, k)} for token, value, k in zip(*host)]
     if max(widths):  # the likeliest, each ranked by its place
-        top = logprobs.topk(max(widths))
-        values, ids = top.values.tolist(), top.indices.tolist()
+        top = logits.topk(max(widths))
+        values, ids = (top.values - log_total).tolist(), top.indices.tolist()
         for entry, row_ids, row_values, width in zip(out, ids, values, widths):
             for i in range(width):
                 entry.setdefault(row_ids[i], Logprob(row_values[i], i + 1))

@@ -38,7 +38,7 @@ RUNS = {
     "host_step.py": (["--repeats", "1", "--num-requests", "8"], "host side a step"),
     "sampling.py": (
         ["--repeats", "1", "--shapes", "tiny", "--num-requests", "4", "--new-tokens", "8"],
-        "same sampled outputs as torch.topk: 4/4",
+        "two-level: the same sampled outputs as top-k's: 4/4",
     ),
     "scoring.py": (["--smoke"], "< 1e-4: yes"),  # 8 questions, 2,000 held-out tokens; vLLM only with --vllm-python
     "speculation.py": (
