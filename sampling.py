@@ -52,8 +52,8 @@ def cut_value(x, top_k, top_p):
 def invert_cdf(x, least, u):
     """x (R, C) scaled candidates, least (R, 1), u (R,) -> (R, 1): the column whose CDF, over the columns
     of at least `least`, first passes u."""
-    cdf = x.masked_fill(x < least, float("-inf")).softmax(-1).cumsum(-1)
-    # the cumsum ends at 1 only up to rounding: u is scaled to its real end, and the clamp catches a u rounded onto it
+    # unnormalized (x <= 0: no exp overflows), as u is scaled to the cumsum's end; the clamp catches a u rounded onto it
+    cdf = x.exp().masked_fill(x < least, 0).cumsum(-1)
     column = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)
     return column.clamp(max=cdf.size(1) - 1)
 
