@@ -40,6 +40,10 @@ RUNS = {
         ["--repeats", "1", "--shapes", "tiny", "--num-requests", "4", "--new-tokens", "8"],
         "two-level: the same sampled outputs as top-k's: 4/4",
     ),
+    "profile_compare.py": (
+        ["--ours-only", "--num-requests", "4", "--workloads", "tiny/decode", "--top", "2"],
+        "host side",
+    ),
     "scoring.py": (["--smoke"], "< 1e-4: yes"),  # 8 questions, 2,000 held-out tokens; vLLM only with --vllm-python
     "speculation.py": (
         ["--repeats", "1", "--batches", "1", "--ks", "2", "--hf-ks", "", "--new-tokens", "16"],
