@@ -132,7 +132,7 @@ class PagedEngine(Engine):
         self.notify("admitted", [s])
         return [s]
 
-    def cacheable(self, s):  # how many of s's first tokens the prefix cache may serve (prompt logprobs: ext/scoring.py)
+    def cacheable(self, s):  # how many of s's first tokens the prefix cache may serve (ext/logprobs.py)
         return len(s.tokens) - 1  # not the last: its logits start generation
 
     def can_admit(self, s, cached, copies=0):
