@@ -34,5 +34,5 @@ python generate.py --paged --num-requests 64 --prompt-len 8:128 --new-tokens 8:1
 bench floor floor.py
 bench fork_memory fork_memory.py --plot docs/runs/fork_memory.png
 bench fork_memory_short_prompts fork_memory.py --prompt-len 8:32 --new-tokens 32:96
-bench sampled_vs_greedy sampling.py                 # about 8 minutes
+bench sampled_vs_greedy sampling.py                 # about 12 minutes
 bench compiled_vs_eager_decode compile_cpu.py       # about 40 minutes on 2 cores: 12-layer, 768-wide models
