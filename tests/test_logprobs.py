@@ -4,6 +4,7 @@ preemption by recompute or swap, prefix hits, speculative decoding, n samples; H
 give the same; bad settings are refused in one line."""
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -99,6 +100,22 @@ def test_logprobs_hold_under_swap_speculation_and_n_samples(model):
         check_request(model, r)
     assert engine.meter.swapped_out_blocks > 0 and engine.meter.proposed_tokens > 0
     assert len({tuple(s.generated) for s in requests[-1].sequences}) > 1  # the samples differ, their logprobs too
+
+
+@pytest.mark.parametrize("token_budget", [4, 512])
+def test_n_samples_with_prompt_logprobs_fork_at_the_prompts_end(model, token_budget):
+    """A prompt of n samples that asks prompt logprobs, chunked or not: it forks only once its whole prompt is
+    computed, so its samples draw what they draw without prompt logprobs (a chunk that ends inside the prompt
+    reads logits at its last token too, to score the next)."""
+    prompt = list(range(1, 21))
+    params = SamplingParams(n=3, temperature=1.0, seed=5)
+    scored = Request(prompt, 6, replace(params, prompt_logprobs=1))
+    plain = Request(prompt, 6, params)
+    forks = engine_class(forks=True, logprobs=True)
+    run_engine(forks(model, num_blocks=40, block_size=4, token_budget=token_budget), [scored])
+    run_engine(forks(model, num_blocks=40, block_size=4), [plain])
+    assert [s.generated for s in scored.sequences] == [s.generated for s in plain.sequences]
+    check_request(model, scored)
 
 
 def test_logprobs_equal_log_softmax_of_hugging_faces_output_logits():
