@@ -30,7 +30,7 @@ the tokens before it; the first window starts after <|endoftext|>). Methods:
   forward  the model's own batched forward, as training runs it (GPT.forward(idx, targets), no cache): the same
            windows in batches of --ppl-batch, each window's tokens but its last in, the mean loss of its scored ones
 Ours is the engine harness.scoring builds (the paged engine with the logprobs extension, its defaults: a
-512-token step budget unless --token-budget says otherwise, 64 sequences at once), the model through
+2,048-token step budget unless --token-budget says otherwise, 64 sequences at once), the model through
 harness/tuning.py's prepare as generate.py loads it; its pool holds 64 sequences at their longest. Each engine is
 built before its clock starts (a fresh one each repeat: its prefix cache starts empty); HF and our forward share
 the process and its threads. Each vLLM run is its own process (it loads the model, exported each run with
@@ -91,7 +91,7 @@ def pairs_of(requests):  # (tokens, start) -> loglikelihood's (context, continua
     return [(tokens[:start], tokens[start:]) for tokens, start in requests]
 
 
-def run_ours(model, requests, prefix_cache, token_budget=512, max_batch=64):
+def run_ours(model, requests, prefix_cache, token_budget, max_batch=64):
     """loglikelihood on a fresh scoring engine -> (seconds, scores, (prefill tokens, cached tokens, steps))."""
     from harness.metrics import Meter
     from harness.scoring import loglikelihood, scoring_engine
@@ -141,7 +141,7 @@ def ppl_windows(val, prefix_token, window):
     return [(ctx + cont, len(ctx)) for ctx, cont in rolling_windows(val, prefix_token, window)]
 
 
-def run_engine_ppl(model, val, prefix_token, token_budget=512, max_batch=64):
+def run_engine_ppl(model, val, prefix_token, token_budget, max_batch=64):
     """Every token of val through loglikelihood_rolling -> (seconds, mean loss, tokens)."""
     from harness.scoring import loglikelihood_rolling, scoring_engine
     from paged import blocks_for
@@ -254,8 +254,9 @@ def parse_args(argv=None):
     p.add_argument(
         "--token-budget",
         type=int,
-        default=512,
-        help="ours' tokens a step (default: 512, the engine's; vLLM's is 4,096)",
+        default=2048,
+        help="ours' tokens a step (default: 2,048, harness.scoring's SCORING_TOKEN_BUDGET; the engine's own is 512, "
+        "vLLM's 4,096)",
     )
     p.add_argument("--hf-batch", type=int, default=32, help="HF's batch of requests (default: 32)")
     p.add_argument("--ppl-batch", type=int, default=64, help="the model's forward's batch of windows (default: 64)")

@@ -8,6 +8,7 @@
                GPU candidates off until a GPU has measured them: async_steps.py (async_steps=True) and
                flex_decode.py (decode_attention="flex")
     compiled_steps.py  small steps as one compiled graph on a CPU  (compile="step")
+    padded_chunks.py  short chunks after cached K/V attend in one call  (by speculative.py and logprobs.py)
 
 engine_class composes exactly the extensions a run asks for, so that a plain run is the bare PagedEngine;
 ServingEngine has them all, each idle until asked for, and gives the core's tokens where the core runs:

@@ -8,20 +8,27 @@ A generated token's entry lands on its sequence (Sequence.logprobs), so n sample
 its request (Request.prompt_logprobs, None before prompt_logprobs_from). Each entry is a dict, vLLM's layout: the
 token's own id first, then the N likeliest, each an id -> Logprob(logprob, rank).
 
-Prompt logprobs read the logits of prompt positions: a step draws a Sampler at each such position of a prefill
-chunk (Sampler.back, speculation's seam), whose draw is dropped. The prefix cache still serves every full block
-that ends before the first position whose logits are needed (cacheable), so the choices of a multiple-choice
-question share their context's blocks; a position scored once is not scored again after a preemption.
+Prompt logprobs read the logits of prompt positions: a step draws a PromptSampler at each such position of a
+prefill chunk (Sampler.back, speculation's seam), whose draw is dropped. A step's prompt positions are scored
+together, in tensor ops, into their request's PromptLogprobs (arrays, read as vLLM's list of entries), so scoring
+a long text costs no Python per token beyond its sampler. The prefix cache still serves every full block that
+ends before the first position whose logits are needed (cacheable), so the choices of a multiple-choice question
+share their context's blocks; a position scored once is not scored again after a preemption.
 
-Plugs into the engine at check_extensions, cacheable, samplers, sample and append_tokens. Beams report their
-scores instead (ext/forks.py) and take neither."""
+Plugs into the engine at check_extensions, cacheable, samplers, batch_class (short chunks after cached K/V
+attend together: ext/padded_chunks.py), sample and append_tokens. Beams report their scores instead
+(ext/forks.py) and take neither."""
 
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import NamedTuple
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 
 from engine import Sampler
+from ext.padded_chunks import padded_batch_class
 from sequence import SequenceStatus
 
 MAX_LOGPROBS = 20  # the most likeliest ids an entry lists, vLLM's default max_logprobs
@@ -32,13 +39,68 @@ class Logprob(NamedTuple):
     rank: int  # how many ids are as likely or likelier: 1 for the likeliest
 
 
+class PromptSampler(Sampler):
+    """A sampler at a prompt position: its logits score the prompt token after it, and its draw is dropped."""
+
+    __slots__ = ()
+
+
+class DrawnRows(NamedTuple):
+    """The batch's tables that the engine's draw reads, at the drawn samplers' rows."""
+
+    sample_rows: torch.Tensor
+    sample_pos: torch.Tensor
+
+
+class PromptLogprobs(Sequence):
+    """A request's prompt logprobs, read as vLLM's list: None where a position is not scored (the first, those
+    before prompt_logprobs_from), else its entry, {the prompt token: Logprob, then the width likeliest ids'}.
+    Kept as arrays, filled a step's positions at a time; an entry is built when it is read."""
+
+    def __init__(self, prompt, width):
+        self.prompt = np.array(prompt)  # (P,)
+        self.scored = np.zeros(len(prompt), dtype=bool)  # (P,)
+        self.logprob = np.zeros(len(prompt))  # (P,) the prompt token's
+        self.rank = np.zeros(len(prompt), dtype=np.int64)  # (P,)
+        self.top_ids = np.zeros((len(prompt), width), dtype=np.int64)  # (P, width) the likeliest, best first
+        self.top_logprobs = np.zeros((len(prompt), width))  # (P, width)
+
+    def __len__(self):
+        return len(self.prompt)
+
+    def __getitem__(self, q):
+        if isinstance(q, slice):
+            return [self[i] for i in range(*q.indices(len(self)))]
+        if not self.scored[q]:
+            return None
+        own = Logprob(self.logprob[q].item(), self.rank[q].item())
+        entry = {self.prompt[q].item(): own}
+        likeliest = zip(self.top_ids[q].tolist(), self.top_logprobs[q].tolist())
+        for rank, (token, value) in enumerate(likeliest, 1):
+            entry.setdefault(token, Logprob(value, rank))
+        return entry
+
+    def fill(self, positions, logprob, rank, top_ids, top_logprobs):
+        """Score positions (n,) of the prompt, from a step's scores: (n,) each, and (n, at least width)."""
+        width = self.top_ids.shape[1]
+        self.scored[positions] = True
+        self.logprob[positions] = logprob
+        self.rank[positions] = rank
+        self.top_ids[positions] = top_ids[:, :width]
+        self.top_logprobs[positions] = top_logprobs[:, :width]
+
+
 class Logprobs:
     """An engine mixin: log-probabilities where a request asks for them; a step with none asked runs as before."""
 
     def __init__(self, model, **kw):
         super().__init__(model, **kw)
-        self.scoring = set()  # this step's samplers at prompt positions: their draws are dropped
-        self.entries = {}  # this step's sampler -> the entry sample() made for it
+        # a multiple-choice question's later choices are short chunks after its cached context: they attend together
+        self.batch_class = padded_batch_class(self.batch_class)
+        self.scoring = []  # this step's prompt samplers, in order: their draws are dropped
+        self.spans = []  # the positions they score: (request, positions (n,)) in their samplers' order
+        self.entries = {}  # this step's drawn sampler -> the entry sample() made for it
+        self.scores = None  # this step's prompt scores, on the host: (logprob, rank, top ids, top logprobs)
 
     def check_extensions(self, r, p):
         """logprobs and prompt_logprobs: checked here, then the core checks the rest without them."""
@@ -58,89 +120,116 @@ class Logprobs:
 
     def add(self, r):
         if r.params.prompt_logprobs is not None:
-            r.prompt_logprobs = [None] * len(r.prompt)
+            r.prompt_logprobs = PromptLogprobs(r.prompt, r.params.prompt_logprobs)
         super().add(r)
 
     def cacheable(self, s):
         """Until its prompt is scored, a sequence computes the positions whose logits score it."""
         p = s.request.params
-        if p.prompt_logprobs is None or None not in s.request.prompt_logprobs[p.prompt_logprobs_from :]:
+        if p.prompt_logprobs is None:
+            return super().cacheable(s)
+        if s.request.prompt_logprobs.scored[p.prompt_logprobs_from :].all():
             return super().cacheable(s)
         return min(super().cacheable(s), p.prompt_logprobs_from - 1)
 
     def samplers(self, plan):
-        """A sampler at each position of a prefill chunk whose logits score a prompt token not yet scored."""
-        scoring = []
+        """A sampler at each position of a prefill chunk whose logits score a prompt token not yet scored, after
+        the engine's own: one run of samplers, which the extensions composed around this one keep together (forks
+        adds a prompt's samples beside its sampler, speculation appends its proposals)."""
+        self.scoring, self.spans = [], []
         for i, (s, n) in enumerate(plan):
             r = s.request
             if r.params.prompt_logprobs is None or s.status is not SequenceStatus.PREFILLING:
                 continue
             last = s.num_computed + n - 1  # the entry's last position: back 0
             first = max(s.num_computed, r.params.prompt_logprobs_from - 1)
-            positions = range(first, min(last + 1, len(r.prompt) - 1))  # each scores the prompt token after it
-            unscored = [q for q in positions if r.prompt_logprobs[q + 1] is None]  # a preemption recomputes some
-            scoring += [Sampler(s, i, last - q) for q in unscored]
-        self.scoring = set(scoring)
-        return super().samplers(plan) + scoring
+            end = min(last, len(r.prompt) - 2) + 1  # the prompt's last token scores nothing
+            scored = np.arange(first + 1, end + 1)  # the prompt tokens these positions' logits score
+            scored = scored[~r.prompt_logprobs.scored[scored]]  # a preemption recomputes some
+            if len(scored):
+                self.spans.append((r, scored))
+                self.scoring += [PromptSampler(s, i, last + 1 - q) for q in scored.tolist()]
+        return super().samplers(plan) + self.scoring
 
-    def width(self, x):
-        """How many likeliest ids sampler x's entry lists, or None: its request asks for none here."""
-        p = x.sequence.request.params
-        return p.prompt_logprobs if x in self.scoring else p.logprobs
+    def scoring_rows(self, samplers):
+        """Where this step's run of prompt samplers sits among its samplers: a slice, empty if none."""
+        if not self.scoring:
+            return slice(0, 0)
+        start = next(j for j, x in enumerate(samplers) if x is self.scoring[0])
+        end = start + len(self.scoring)
+        assert samplers[end - 1] is self.scoring[-1], "the prompt samplers were parted"
+        return slice(start, end)
 
     def sample(self, logits, batch, samplers):
-        """The engine's draw, and an entry for each sampler whose request asks for logprobs."""
-        tokens = super().sample(logits, batch, samplers)
-        widths = [self.width(x) for x in samplers]
-        rows = [j for j, width in enumerate(widths) if width is not None]
-        self.entries = {}
-        if not rows:
-            return tokens
-        targets = tokens[rows]  # the drawn token, or at a prompt position the prompt's next token
-        scored = [i for i, j in enumerate(rows) if samplers[j] in self.scoring]
-        if scored:
-            prompt_tokens = [next_prompt_token(samplers[rows[i]]) for i in scored]
-            targets[scored] = torch.tensor(prompt_tokens, device=targets.device)
-        asked = entries(logits[rows], targets, [widths[j] for j in rows])
-        self.entries = {samplers[j]: entry for j, entry in zip(rows, asked)}
+        """The engine's draw, an entry for each drawn sampler whose request asks for logprobs, and the scores of
+        this step's prompt positions."""
+        rows = self.scoring_rows(samplers)
+        drawn = [*range(rows.start), *range(rows.stop, len(samplers))]
+        tokens = self.draw(logits, batch, samplers, drawn)
+        asking = [j for j in drawn if samplers[j].sequence.request.params.logprobs is not None]
+        self.entries, self.scores = {}, None
+        if asking:
+            widths = [samplers[j].sequence.request.params.logprobs for j in asking]
+            asked = entries(logits[asking], tokens[asking], widths)
+            self.entries = {samplers[j]: entry for j, entry in zip(asking, asked)}
+        if self.spans:  # each scores the prompt's token after its position
+            targets = np.concatenate([r.prompt_logprobs.prompt[scored] for r, scored in self.spans])
+            targets = torch.from_numpy(targets).to(logits.device)
+            width = max(r.params.prompt_logprobs for r, _ in self.spans)
+            self.scores = scores(logits[rows], targets, width)
+        return tokens
+
+    def draw(self, logits, batch, samplers, drawn):
+        """The engine's draw at the drawn samplers only; a prompt sampler's token is 0, never read."""
+        if len(drawn) == len(samplers):
+            return super().sample(logits, batch, samplers)
+        tokens = torch.zeros(len(samplers), dtype=torch.long, device=logits.device)
+        if drawn:
+            rows = DrawnRows(batch.sample_rows[drawn], batch.sample_pos[drawn])  # what the engine's draw reads
+            drawing = [samplers[j] for j in drawn]
+            tokens[drawn] = super().sample(logits[drawn], rows, drawing)
         return tokens
 
     def append_tokens(self, samplers, tokens):
-        """Each entry joins its sequence (a drawn token's) or its request's prompt (a prompt position's); the
+        """Each entry joins its sequence (a drawn token's), each prompt score its request's prompt logprobs; the
         draws at prompt positions go no further."""
-        drawn, drawn_tokens = [], []
-        for x, token in zip(samplers, tokens):
-            entry = self.entries.get(x)
-            if x in self.scoring:
-                x.sequence.request.prompt_logprobs[x.sequence.num_computed - x.back] = entry
-                continue
-            if entry is not None:
-                vars(x.sequence).setdefault("logprobs", []).append(entry)
-            drawn.append(x)
-            drawn_tokens.append(token)
+        start = 0
+        for r, scored in self.spans:
+            end = start + len(scored)
+            r.prompt_logprobs.fill(scored, *(a[start:end] for a in self.scores))
+            start = end
+        rows = self.scoring_rows(samplers)
+        drawn = samplers[: rows.start] + samplers[rows.stop :]
+        drawn_tokens = tokens[: rows.start] + tokens[rows.stop :]
+        for x in drawn:
+            if x in self.entries:
+                vars(x.sequence).setdefault("logprobs", []).append(self.entries[x])
         super().append_tokens(drawn, drawn_tokens)
 
 
-def next_prompt_token(x):
-    """The prompt token a scoring sampler's logits predict: its sequence counts this step's tokens computed."""
-    return x.sequence.tokens[x.sequence.num_computed - x.back]
+def scores(logits, targets, width):
+    """logits (R, V), targets (R,) -> on the host: each target's logprob (R,) and rank (R,), and the width
+    likeliest ids (R, width) and their logprobs (R, width). In the logits' dtype, float32 at least (the engine
+    samples in it); no (R, V) log_softmax is written, as a row's ranks and likeliest ids are its logits'."""
+    logprob = -F.cross_entropy(logits, targets, reduction="none")  # (R,) the fused log_softmax-and-pick
+    target = logits.gather(1, targets[:, None])  # (R, 1)
+    # as vLLM's: ids tied with it count; summed in int32, twice as fast on a CPU as the default int64
+    rank = (logits >= target).sum(-1, dtype=torch.int32)
+    top = logits.topk(width)
+    log_total = target - logprob[:, None]  # (R, 1) each row's logsumexp
+    host = (logprob, rank, top.indices, top.values - log_total)
+    return [t.cpu().numpy() for t in host]
 
 
 def entries(logits, targets, widths):
     """logits (R, V), targets (R,), each row's width -> an entry for each row: {target: Logprob, then the
-    width likeliest ids'}, computed on the logits' device and brought to the host in one transfer."""
-    # a log-probability is a logit less its row's logsumexp (float32 at least: the engine samples in it); no
-    # (R, V) log_softmax is written, as a row's ranks and likeliest ids are its logits'
-    log_total = logits.logsumexp(-1, keepdim=True)  # (R, 1)
-    target = logits.gather(1, targets[:, None])  # (R, 1)
-    # as vLLM's: ids tied with it count; summed in int32, twice as fast on a CPU as the default int64
-    rank = (logits >= target).sum(-1, dtype=torch.int32)
-    host = [t.tolist() for t in (targets, (target - log_total)[:, 0], rank)]
-    out = [{token: Logprob(value, k)} for token, value, k in zip(*host)]
-    if max(widths):  # the likeliest, each ranked by its place
-        top = logits.topk(max(widths))
-        values, ids = (top.values - log_total).tolist(), top.indices.tolist()
-        for entry, row_ids, row_values, width in zip(out, ids, values, widths):
-            for i in range(width):
-                entry.setdefault(row_ids[i], Logprob(row_values[i], i + 1))
+    width likeliest ids'}, computed on the logits' device."""
+    host = scores(logits, targets, max(widths))
+    logprob, rank, top_ids, top_logprobs = (a.tolist() for a in host)
+    out = []
+    for j, token in enumerate(targets.tolist()):
+        entry = {token: Logprob(logprob[j], rank[j])}
+        for i in range(widths[j]):
+            entry.setdefault(top_ids[j][i], Logprob(top_logprobs[j][i], i + 1))
+        out.append(entry)
     return out

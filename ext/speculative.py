@@ -12,19 +12,15 @@ allocator at once, and only blocks whose every token was kept enter the prefix c
 
 Plugs into the paged engine at schedule_decodes (proposals get slots, never by preempting, and wait in
 Sequence.proposed until verified), samplers (a sampler for each of an entry's positions), batch_class (verify
-rows: VerifyRows), mark_computed, append_tokens (verify and roll back) and release.
+rows attend together, padded: ext/padded_chunks.py), mark_computed, append_tokens (verify and roll back) and
+release.
 Speculation never preempts and never runs for beams. num_speculative_tokens "auto" speculates only while
 few sequences decode, where a verify step costs about what a decode step costs (AUTO_MAX_DECODING), each
 sequence as many tokens as its own acceptance earns (proposals_for)."""
 
-import functools
-
-import torch
-
-from batch import longs
 from engine import PlanEntry, Sampler
-from model import attend
-from paged import blocks_for, gather_kv
+from ext.padded_chunks import padded_batch_class
+from paged import blocks_for
 from sequence import SequenceStatus
 
 # num_speculative_tokens "auto": speculation while at most AUTO_MAX_DECODING sequences decode (bench/speculation.py
@@ -67,52 +63,6 @@ class NgramIndex:
         return []
 
 
-class VerifyRows:
-    """A mixin of the engine's batch class (verify_batch_class): the step's first num_verify chunks, those of
-    sequences that propose tokens (their next token and its proposals, after their cached K/V), attend together in
-    one call, as one-token entries do, each row padded to the longest; the other chunks, prompts, attend one at
-    a time. On the device, besides the batch's:
-        verify_index: (R, Q) each row's tokens in the step's, its last repeated as padding;
-        verify_pos: (R, Q) their positions; verify_table: (R, W) the rows' blocks;
-        verify_real: the real tokens' places in the flattened (R * Q) rows."""
-
-    def __init__(self, plan, samplers, *args):
-        super().__init__(plan, samplers, *args)
-        self.num_verify = sum(bool(s.proposed) for s, _ in plan)  # NOTE: the plan puts them first among chunks
-        if not self.num_verify:
-            return
-        chunks = self.chunks[: self.num_verify]
-        lengths = [c.end - c.start for c in chunks]
-        width = max(lengths)
-        offsets = longs([[min(j, n - 1) for j in range(width)] for n in lengths])  # (R, Q)
-        index = longs([c.start for c in chunks])[:, None] + offsets
-        positions = longs([c.num_cached for c in chunks])[:, None] + offsets
-        first = chunks[0].entry
-        longest = max(c.num_cached + n for c, n in zip(chunks, lengths))
-        num_blocks = blocks_for(longest, self.k_pool.shape[2])
-        table = self.table[first : first + self.num_verify, :num_blocks]
-        real = (torch.arange(width) < longs(lengths)[:, None]).flatten().nonzero()[:, 0]  # not padding, in (R * Q)
-        self.verify_index, self.verify_pos, self.verify_table, self.verify_real = self.stage(
-            index, positions, table, real
-        )
-
-    def attend_chunks(self, layer, q, k, v):
-        """The verify rows in one call, then the other chunks one at a time."""
-        if not self.num_verify:
-            return super().attend_chunks(layer, q, k, v)
-        keys = gather_kv(self.k_pool[layer], self.verify_table)  # (R, L, H, D)
-        values = gather_kv(self.v_pool[layer], self.verify_table)
-        y = attend(q[self.verify_index], keys, values, self.verify_pos)  # (R, Q, H, D)
-        verified = y.flatten(0, 1).index_select(0, self.verify_real)
-        return [verified] + [self.attend_chunk(layer, chunk, q, k, v) for chunk in self.chunks[self.num_verify :]]
-
-
-@functools.cache
-def verify_batch_class(batch_class):
-    """The engine's batch class (PagedBatch, or on CUDA one-copy staging's) with verify rows."""
-    return type("Verify" + batch_class.__name__, (VerifyRows, batch_class), {})
-
-
 class Speculative:
     """A PagedEngine mixin: prompt-lookup speculation, off while num_speculative_tokens is 0."""
 
@@ -125,7 +75,7 @@ class Speculative:
             raise ValueError(f"prompt_lookup_max is {prompt_lookup_max}; it must be at least 1")
         self.num_speculative_tokens = num_speculative_tokens
         self.prompt_lookup_max = prompt_lookup_max
-        self.batch_class = verify_batch_class(self.batch_class)
+        self.batch_class = padded_batch_class(self.batch_class)  # verify rows attend together
         self.indexes = {}  # sequence -> its NgramIndex
         self.proposing = []  # the sequences whose proposals (s.proposed) this step verifies
         self.auto_tokens = {}  # sequence -> how many it may propose, with auto

@@ -50,7 +50,7 @@ class NanoGPTPaged(TemplateLM):
     model_args: ckpt (a ckpt.pt or a GPT-2 folder, what harness.checkpoints.load_checkpoint reads, or a GPT; default
     the shipped models/tiny-shakespeare.pt), dtype (float32, bfloat16, float16, float64; default: the checkpoint's
     weights in float32, a GPT as it is), and the engine's settings: block_size (16), num_blocks (default: room for
-    16 full windows), token_budget (512), max_batch (64), prefix_cache (true), compile ("auto"); max_gen_toks (256)
+    16 full windows), token_budget (harness.scoring's 2,048), max_batch (64), prefix_cache (true), compile ("auto"); max_gen_toks (256)
     for generation kwargs that name none. lm-eval's batch_size, max_batch_size and device are taken too: the first
     two change nothing (the engine's max_batch and token_budget batch), device places the model (cuda if torch
     sees one, else the CPU, as lm-eval's HF backend does with its default cuda:0). The tokenizer is harness.checkpoints.get_tokenizer(vocab_size): GPT-2's BPE cut to the model's
@@ -92,7 +92,7 @@ class NanoGPTPaged(TemplateLM):
         dtype=None,
         block_size=16,
         num_blocks=None,
-        token_budget=512,
+        token_budget=scoring.SCORING_TOKEN_BUDGET,
         max_batch=64,
         prefix_cache=True,
         compile="auto",

@@ -1,0 +1,75 @@
+"""Short chunks after cached K/V attend together: each a row padded to the longest, in one call a layer, as the
+core's one-token entries do. A chunk of a few tokens after a long cached context otherwise costs a gather and an
+attention call of its own in every layer (PagedBatch.attend_chunk). Two extensions make many such chunks:
+speculation, whose verify rows are a sequence's next token and its proposals (ext/speculative.py), and prompt
+logprobs, whose scored continuations follow a context in the prefix cache (ext/logprobs.py; a multiple-choice
+question's later choices). Each composes it into the engine's batch class (padded_batch_class); a plain engine
+attends each chunk alone.
+
+Padding changes no arithmetic a row's real tokens see: a padding query repeats its row's last token, and a
+row's keys past its own are masked (model.attend), as in the one-token call."""
+
+import functools
+
+import torch
+
+from batch import longs
+from model import attend
+from paged import blocks_for, gather_kv
+
+SHORT = 32  # the most new tokens of a chunk that attends padded: padding costs at most the longest's
+
+
+def is_short(chunk):
+    """Whether a chunk attends padded: a few new tokens after cached K/V."""
+    return chunk.num_cached > 0 and chunk.end - chunk.start <= SHORT
+
+
+class PaddedChunks:
+    """A mixin of the engine's batch class: the step's chunks of at most SHORT new tokens after cached K/V attend
+    in one call; the others, prompts from their start and long chunks, one at a time. On the device, besides the
+    batch's:
+        padded_index: (R, Q) each padded chunk's tokens in the step's, its last repeated as padding;
+        padded_pos: (R, Q) their positions; padded_table: (R, W) the chunks' blocks;
+        padded_real: the real tokens' places in the flattened (R * Q) rows."""
+
+    def __init__(self, plan, samplers, *args):
+        super().__init__(plan, samplers, *args)
+        self.padded = [i for i, chunk in enumerate(self.chunks) if is_short(chunk)]
+        if not self.padded:
+            return
+        chunks = [self.chunks[i] for i in self.padded]
+        self.lengths = [c.end - c.start for c in chunks]
+        lengths = longs(self.lengths)[:, None]  # (R, 1)
+        columns = torch.arange(max(self.lengths))  # (Q,)
+        offsets = columns.minimum(lengths - 1)  # (R, Q): a row's last token repeated as padding
+        index = longs([c.start for c in chunks])[:, None] + offsets
+        positions = longs([c.num_cached for c in chunks])[:, None] + offsets
+        longest = int(positions[:, -1].max()) + 1  # keys
+        num_blocks = blocks_for(longest, self.k_pool.shape[2])
+        table = self.table[[c.entry for c in chunks], :num_blocks]
+        real = (columns < lengths).flatten().nonzero()[:, 0]  # the real tokens' places in the (R * Q) rows
+        staged = self.stage(index, positions, table, real)
+        self.padded_index, self.padded_pos, self.padded_table, self.padded_real = staged
+
+    def attend_chunks(self, layer, q, k, v):
+        """The padded chunks in one call, the others one at a time: each chunk's (n, H, D), in the chunks' order."""
+        if not self.padded:
+            return super().attend_chunks(layer, q, k, v)
+        keys = gather_kv(self.k_pool[layer], self.padded_table)  # (R, L, H, D)
+        values = gather_kv(self.v_pool[layer], self.padded_table)
+        y = attend(q[self.padded_index], keys, values, self.padded_pos)  # (R, Q, H, D)
+        y = y.flatten(0, 1).index_select(0, self.padded_real)  # (n, H, D): the real tokens
+        padded = dict(zip(self.padded, y.split(self.lengths)))
+        for i, chunk in enumerate(self.chunks):
+            if i not in padded:
+                padded[i] = self.attend_chunk(layer, chunk, q, k, v)
+        return [padded[i] for i in range(len(self.chunks))]
+
+
+@functools.cache
+def padded_batch_class(batch_class):
+    """The engine's batch class (PagedBatch, or on CUDA one-copy staging's) with padded chunks, once."""
+    if issubclass(batch_class, PaddedChunks):
+        return batch_class
+    return type("Padded" + batch_class.__name__, (PaddedChunks, batch_class), {})

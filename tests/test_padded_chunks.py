@@ -1,0 +1,86 @@
+"""Short chunks after cached K/V attend together, padded (ext/padded_chunks.py): the tokens equal the bare core's,
+which attends each chunk alone, and the contiguous baseline's, under prefix hits, chunking and preemption; the
+chunks' prompt logprobs equal the model's own."""
+
+import random
+
+import pytest
+from conftest import baseline, check_invariants, make_requests, run_engine
+from test_logprobs import check_request
+
+from ext import engine_class
+from ext.padded_chunks import SHORT, PaddedChunks, padded_batch_class
+from scheduler import PagedEngine
+from sequence import Request, SamplingParams
+
+
+class CountPadded:
+    """An engine mixin that counts the steps whose batch attends two or more chunks padded, and the chunks."""
+
+    def make_batch(self, plan, samplers):
+        batch = super().make_batch(plan, samplers)
+        if len(getattr(batch, "padded", [])) > 1:
+            self.padded_steps = getattr(self, "padded_steps", 0) + 1
+            self.padded_chunks = getattr(self, "padded_chunks", 0) + len(batch.padded)
+        return batch
+
+
+def shared_heads(seed, n=16):
+    """Prompts that share heads and end in 1 to SHORT + 4 tokens of their own: a request after its head is cached
+    prefills only its own tail, a short chunk (or a long one, past SHORT) after cached K/V; 64 tokens at most.
+    -> prompts, max_new_tokens, each prompt's head length."""
+    rng = random.Random(seed)
+    heads = [[rng.randrange(300) for _ in range(size)] for size in (8, 16, 20)]
+    chosen = [rng.choice(heads) for _ in range(n)]
+    prompts = [head + [rng.randrange(300) for _ in range(rng.randint(1, SHORT + 4))] for head in chosen]
+    return prompts, [rng.randint(1, 64 - len(p)) for p in prompts], [len(head) for head in chosen]
+
+
+@pytest.mark.parametrize("block_size,token_budget", [(1, 64), (4, 48), (16, 512)])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_padded_chunks_give_the_cores_tokens(model, block_size, token_budget, temperature):
+    prompts, news, _ = shared_heads(block_size)
+    padded = type("Padded", (CountPadded, engine_class(logprobs=True)), {})
+    plain = PagedEngine(model, num_blocks=400, block_size=block_size, token_budget=token_budget)
+    engine = padded(model, num_blocks=400, block_size=block_size, token_budget=token_budget)
+    for e in (plain, engine):  # the heads' prompts first, so that later requests find their heads cached
+        run_engine(e, make_requests(prompts[:3], news[:3], temperature))
+    got = run_engine(engine, make_requests(prompts, news, temperature))
+    assert got == run_engine(plain, make_requests(prompts, news, temperature))
+    assert engine.padded_steps > 0 and engine.meter.cached_tokens > 0
+
+
+def test_padded_chunks_under_preemption_equal_the_contiguous_baseline(model):
+    """A pool too small for the workload: sequences are preempted and recompute their prompts, whose tails come
+    back as short chunks after their cached heads."""
+    prompts, news, _ = shared_heads(7, n=12)
+    padded = type("Padded", (CountPadded, engine_class(logprobs=True)), {})
+    engine = padded(model, num_blocks=40, block_size=4, token_budget=40)
+    got = run_engine(engine, make_requests(prompts, news), check=True)
+    check_invariants(engine)
+    assert got == baseline(model, prompts, news)
+    assert engine.meter.num_preemptions > 0 and engine.padded_steps > 0
+
+
+def test_padded_chunks_give_the_models_own_logprobs(model):
+    """Every token of a padded chunk: the prompt logprobs of each tail (scored from its first token on, so that
+    its head stays cached) and each generated token's logprobs equal log_softmax of one full forward (float64)."""
+    prompts, news, heads = shared_heads(3)
+    padded = type("Padded", (CountPadded, engine_class(logprobs=True)), {})
+    engine = padded(model, num_blocks=400, block_size=4, token_budget=64)
+    run_engine(engine, make_requests(prompts[:3], news[:3]))  # the heads go first: the tails find them cached
+    requests = [
+        Request(p, n, SamplingParams(logprobs=2, prompt_logprobs=1, prompt_logprobs_from=head))
+        for p, n, head in zip(prompts, news, heads)
+    ]
+    run_engine(engine, requests)
+    for r in requests:
+        check_request(model, r)
+    assert engine.padded_steps > 0 and engine.meter.cached_tokens > 0
+
+
+def test_padded_batch_class_is_composed_once(model):
+    """Speculation and logprobs both ask for it: the batch class takes the mixin once."""
+    engine = engine_class(logprobs=True, speculative=True)(model, num_blocks=8)
+    assert engine.batch_class.__mro__.count(PaddedChunks) == 1
+    assert padded_batch_class(engine.batch_class) is engine.batch_class
