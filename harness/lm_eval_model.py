@@ -50,11 +50,12 @@ class NanoGPTPaged(TemplateLM):
     model_args: ckpt (a ckpt.pt or a GPT-2 folder, what harness.checkpoints.load_checkpoint reads, or a GPT; default
     the shipped models/tiny-shakespeare.pt), dtype (float32, bfloat16, float16, float64; default: the checkpoint's
     weights in float32, a GPT as it is), and the engine's settings: block_size (16), num_blocks (default: room for
-    16 full windows), token_budget (harness.scoring's 2,048), max_batch (64), prefix_cache (true), compile ("auto"); max_gen_toks (256)
-    for generation kwargs that name none. lm-eval's batch_size, max_batch_size and device are taken too: the first
-    two change nothing (the engine's max_batch and token_budget batch), device places the model (cuda if torch
-    sees one, else the CPU, as lm-eval's HF backend does with its default cuda:0). The tokenizer is harness.checkpoints.get_tokenizer(vocab_size): GPT-2's BPE cut to the model's
-    ids, end-of-text its last; the logits of ids past it (nanoGPT's padding to 50,304) never count.
+    16 full windows), token_budget (harness.scoring's 2,048), max_batch (64), prefix_cache (true), compile
+    ("auto"); max_gen_toks (256) for generation kwargs that name none. lm-eval's batch_size, max_batch_size and
+    device are taken too: the first two change nothing (the engine's max_batch and token_budget batch), device
+    places the model (cuda if torch sees one, else the CPU, as lm-eval's HF backend does with its default cuda:0).
+    The tokenizer is harness.checkpoints.get_tokenizer(vocab_size): GPT-2's BPE cut to the model's ids,
+    end-of-text its last; the logits of ids past it (nanoGPT's padding to 50,304) never count.
 
     As lm-eval's models (TemplateLM): an empty context is the end-of-text token; a pair's trailing context spaces
     move to the continuation; a pair longer than the model's window keeps its last tokens. Where ours differs from
