@@ -4,7 +4,7 @@ bookkeeping. A subclass decides what runs (schedule) and where K/V live (make_ba
 override the methods that name them; the core imports none of them.
 
 The seams, each: who calls it -> who overrides it (ext/ unless named).
-    add(r)                  the user -> forks (a beam request's first Beam), logprobs (its prompt_logprobs list)
+    add(r)                  the user -> forks (a beam request's first Beam), logprobs (its PromptLogprobs)
     check_extensions(r, p)  check -> forks (n, num_beams), logprobs (logprobs, prompt_logprobs); the core refuses
     schedule()              step -> PagedEngine, ContiguousEngine
       schedule_decodes()    PagedEngine.schedule -> speculative (proposals after each next token)

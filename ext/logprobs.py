@@ -55,7 +55,8 @@ class DrawnRows(NamedTuple):
 class PromptLogprobs(Sequence):
     """A request's prompt logprobs, read as vLLM's list: None where a position is not scored (the first, those
     before prompt_logprobs_from), else its entry, {the prompt token: Logprob, then the width likeliest ids'}.
-    Kept as arrays, filled a step's positions at a time; an entry is built when it is read."""
+    Kept as arrays, filled a step's positions at a time; an entry is built when it is read. list(it) is vLLM's
+    list (for JSON, say)."""
 
     def __init__(self, prompt, width):
         self.prompt = np.array(prompt)  # (P,)
@@ -67,6 +68,12 @@ class PromptLogprobs(Sequence):
 
     def __len__(self):
         return len(self.prompt)
+
+    def __eq__(self, other):  # as the list it reads as
+        return list(self) == list(other)
+
+    def __repr__(self):
+        return repr(list(self))
 
     def __getitem__(self, q):
         if isinstance(q, slice):
@@ -152,10 +159,11 @@ class Logprobs:
         return super().samplers(plan) + self.scoring
 
     def scoring_rows(self, samplers):
-        """Where this step's run of prompt samplers sits among its samplers: a slice, empty if none."""
-        if not self.scoring:
+        """Where this step's run of prompt samplers sits among samplers: a slice, empty if they hold none
+        (speculation hands its verified draws on one at a time)."""
+        start = next((j for j, x in enumerate(samplers) if self.scoring and x is self.scoring[0]), None)
+        if start is None:
             return slice(0, 0)
-        start = next(j for j, x in enumerate(samplers) if x is self.scoring[0])
         end = start + len(self.scoring)
         assert samplers[end - 1] is self.scoring[-1], "the prompt samplers were parted"
         return slice(start, end)
@@ -193,11 +201,8 @@ class Logprobs:
     def append_tokens(self, samplers, tokens):
         """Each entry joins its sequence (a drawn token's), each prompt score its request's prompt logprobs; the
         draws at prompt positions go no further."""
-        start = 0
-        for r, scored in self.spans:
-            end = start + len(scored)
-            r.prompt_logprobs.fill(scored, *(a[start:end] for a in self.scores))
-            start = end
+        if self.scores is not None:  # once a step, though speculation calls this once for each verified draw
+            self.fill_prompt_logprobs()
         rows = self.scoring_rows(samplers)
         drawn = samplers[: rows.start] + samplers[rows.stop :]
         drawn_tokens = tokens[: rows.start] + tokens[rows.stop :]
@@ -206,18 +211,28 @@ class Logprobs:
                 vars(x.sequence).setdefault("logprobs", []).append(self.entries[x])
         super().append_tokens(drawn, drawn_tokens)
 
+    def fill_prompt_logprobs(self):
+        """This step's prompt scores join their requests' prompt logprobs, span by span."""
+        start = 0
+        for r, scored in self.spans:
+            end = start + len(scored)
+            r.prompt_logprobs.fill(scored, *(a[start:end] for a in self.scores))
+            start = end
+        self.scores = None
+
 
 def scores(logits, targets, width):
     """logits (R, V), targets (R,) -> on the host: each target's logprob (R,) and rank (R,), and the width
     likeliest ids (R, width) and their logprobs (R, width). In the logits' dtype, float32 at least (the engine
-    samples in it); no (R, V) log_softmax is written, as a row's ranks and likeliest ids are its logits'."""
-    logprob = -F.cross_entropy(logits, targets, reduction="none")  # (R,) the fused log_softmax-and-pick
+    samples in it). The (R, V) tensors written on the way are cross-entropy's log_softmax and the rank's
+    comparison; a row's ranks and likeliest ids are its logits'."""
+    logprob = -F.cross_entropy(logits, targets, reduction="none")  # (R,) as the model's own forward takes its loss
     target = logits.gather(1, targets[:, None])  # (R, 1)
     # as vLLM's: ids tied with it count; summed in int32, twice as fast on a CPU as the default int64
     rank = (logits >= target).sum(-1, dtype=torch.int32)
     top = logits.topk(width)
-    log_total = target - logprob[:, None]  # (R, 1) each row's logsumexp
-    host = (logprob, rank, top.indices, top.values - log_total)
+    top_logprobs = top.values - logits.logsumexp(-1, keepdim=True) if width else top.values
+    host = (logprob, rank, top.indices, top_logprobs)
     return [t.cpu().numpy() for t in host]
 
 

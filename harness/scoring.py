@@ -14,8 +14,9 @@ from ext import engine_class
 from sequence import Request, SamplingParams
 
 # tokens a scoring step computes: scoring requests are all prompt, and a step of 2,048 tokens ran 1.2x as fast as
-# the engine's 512 on the shipped model (per-step host side and small GEMMs; bench/scoring.py, docs/scoring.md);
-# its logits are 2,048 rows of the vocabulary at most (412 MB in float32 at GPT-2's)
+# the engine's 512 on the shipped model (per-step host side and small GEMMs: docs/scoring.md);
+# its logits are 2,048 rows of the vocabulary at most (412 MB in float32 at GPT-2's, and as much again while
+# ext/logprobs.py's cross-entropy scores them)
 SCORING_TOKEN_BUDGET = 2048
 
 

@@ -3,6 +3,7 @@ model's own logits over the whole sequence (float64), whatever the engine did on
 preemption by recompute or swap, prefix hits, speculative decoding, n samples; Hugging Face's output_logits
 give the same; bad settings are refused in one line."""
 
+import json
 import random
 from dataclasses import replace
 
@@ -100,6 +101,37 @@ def test_logprobs_hold_under_swap_speculation_and_n_samples(model):
         check_request(model, r)
     assert engine.meter.swapped_out_blocks > 0 and engine.meter.proposed_tokens > 0
     assert len({tuple(s.generated) for s in requests[-1].sequences}) > 1  # the samples differ, their logprobs too
+
+
+def test_a_prompt_id_past_the_engines_vocabulary(model):
+    """nanoGPT pads its vocabulary: ids the engine never samples (vocab_size) may still sit in a prompt. Such a
+    token's logprob is -inf and its rank counts every id; the likeliest ids' logprobs stay finite, read over the
+    ids the engine samples; the entry reads as vLLM's list, as Python types, into JSON."""
+    r = Request([5, 7, 9, 260, 11], 1, SamplingParams(prompt_logprobs=2))
+    run_engine(engine_class(logprobs=True)(model, num_blocks=50, block_size=4, vocab_size=250), [r])
+    logits = model(torch.tensor([r.prompt]))[0][0].detach()
+    logits[:, 250:] = float("-inf")
+    logprobs = torch.log_softmax(logits, -1)
+    (own, first), *likeliest = r.prompt_logprobs[3].items()
+    assert own == 260 and first == (float("-inf"), 300)
+    assert [x.logprob for _, x in likeliest] == pytest.approx(logprobs[2].topk(2).values.tolist(), abs=1e-9)
+    check_entry(r.prompt_logprobs[4], logprobs[3], 11, 2)
+    assert r.prompt_logprobs == list(r.prompt_logprobs) and json.loads(json.dumps(list(r.prompt_logprobs)))[0] is None
+    assert {type(k) for k in r.prompt_logprobs[4]} == {int}
+
+
+def test_prompt_logprobs_beside_verify_steps(model):
+    """A sequence speculates (a fixed k: auto would wait for the prompt) while another's prompt is scored in the
+    same steps: speculation hands its verified draws on one at a time, and each prompt position is scored once."""
+    rep = Request([1, 2, 3, 1, 2, 3, 1, 2], 20, SamplingParams(logprobs=1))
+    scored = Request(list(range(10, 50)), 2, SamplingParams(prompt_logprobs=1))
+    engine = engine_class(logprobs=True, speculative=True)(
+        model, num_blocks=100, block_size=4, token_budget=16, num_speculative_tokens=2
+    )
+    run_engine(engine, [rep, scored], arrivals=[0, 2])
+    for r in (rep, scored):
+        check_request(model, r)
+    assert engine.meter.proposed_tokens > 0
 
 
 @pytest.mark.parametrize("token_budget", [4, 512])

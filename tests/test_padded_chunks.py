@@ -5,10 +5,13 @@ chunks' prompt logprobs equal the model's own."""
 import random
 
 import pytest
+import torch
 from conftest import baseline, check_invariants, make_requests, run_engine
 from test_logprobs import check_request
 
+from engine import PlanEntry, Sampler
 from ext import engine_class
+from ext.cuda import StagedBatch
 from ext.padded_chunks import SHORT, PaddedChunks, padded_batch_class
 from scheduler import PagedEngine
 from sequence import Request, SamplingParams
@@ -84,3 +87,18 @@ def test_padded_batch_class_is_composed_once(model):
     engine = engine_class(logprobs=True, speculative=True)(model, num_blocks=8)
     assert engine.batch_class.__mro__.count(PaddedChunks) == 1
     assert padded_batch_class(engine.batch_class) is engine.batch_class
+
+
+def test_padded_chunks_stage_on_the_gpus_one_copy_path():
+    """On CUDA the batch stages its host tensors in one copy (ext/cuda.py's StagedBatch), its table already on
+    the device: the padded chunks' tables are cut from it there. The meta device stands in for CUDA, as CI has
+    none: building the batch must not mix devices in one copy."""
+    s = Request(list(range(1, 13)), 2).sequences[0]
+    s.num_computed, s.row, s.block_table = 8, 0, [0, 1, 2]  # 8 cached tokens, then a chunk of 4
+    block_tables = torch.zeros(4, 8, dtype=torch.int32)
+    block_tables[0, :3] = torch.tensor([0, 1, 2])
+    kv_pool = torch.zeros(2, 2, 11, 4, 2, 16, device="meta")  # (K and V, layers, blocks + 1, block_size, H, D)
+    batch_class = padded_batch_class(StagedBatch)
+    batch = batch_class([PlanEntry(s, 4)], [Sampler(s, 0)], torch.device("meta"), kv_pool, block_tables, False)
+    assert batch.padded == [0] and batch.padded_table.device.type == "meta"
+    assert batch.padded_table.shape == (1, 3)
