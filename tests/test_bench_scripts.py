@@ -81,7 +81,7 @@ sys.path[0] = "bench"
 start = list(sys.path)
 for script in sys.argv[1:]:
     for name, module in list(sys.modules.items()):  # torch stays imported; the repository's modules go
-        if (getattr(module, "__file__", None) or "").startswith({ROOT!r}):
+        if (getattr(module, "__file__", None) or "").startswith({ROOT + os.sep!r}):
             del sys.modules[name]
     sys.path[:] = start
     runpy.run_path(script, run_name="imported")
