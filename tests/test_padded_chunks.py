@@ -2,6 +2,7 @@
 which attends each chunk alone, and the contiguous baseline's, under prefix hits, chunking and preemption; the
 chunks' prompt logprobs equal the model's own."""
 
+import copy
 import random
 
 import pytest
@@ -102,3 +103,26 @@ def test_padded_chunks_stage_on_the_gpus_one_copy_path():
     batch = batch_class([PlanEntry(s, 4)], [Sampler(s, 0)], torch.device("meta"), kv_pool, block_tables, False)
     assert batch.padded == [0] and batch.padded_table.device.type == "meta"
     assert batch.padded_table.shape == (1, 3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("compile", ["off", "graph"])
+def test_padded_chunks_on_cuda_give_the_cpu_cores_tokens_and_logprobs(model, compile):
+    """On a GPU, through one-copy staging with compile="graph" (ext/cuda.py's StagedBatch): the same tokens as
+    the bare core on the CPU, and each padded chunk's prompt logprobs equal to one full forward's."""
+    cuda_model = copy.deepcopy(model).cuda()
+    prompts, news, heads = shared_heads(5)
+    plain = PagedEngine(model, num_blocks=400, block_size=4, token_budget=48)
+    padded = type("Padded", (CountPadded, engine_class(logprobs=True, compile=compile)), {})
+    engine = padded(cuda_model, num_blocks=400, block_size=4, token_budget=48, compile=compile)
+    for e in (plain, engine):  # the heads' prompts first, so that later requests find their heads cached
+        run_engine(e, make_requests(prompts[:3], news[:3]))
+    requests = [
+        Request(p, n, SamplingParams(prompt_logprobs=1, prompt_logprobs_from=head, seed=1000 + i))
+        for i, (p, n, head) in enumerate(zip(prompts, news, heads))
+    ]
+    run_engine(engine, requests)
+    assert [r.generated for r in requests] == run_engine(plain, make_requests(prompts, news))
+    for r in requests:
+        check_request(model, r)
+    assert engine.padded_steps > 0
