@@ -79,9 +79,9 @@ class Forks:
         samplers = []
         for x in super().samplers(plan):
             r = x.sequence.request
-            # only in the prompt's last chunk: prompt logprobs (ext/logprobs.py) draw in earlier chunks too
-            last_chunk = plan[x.entry].num_tokens == x.sequence.num_uncomputed()
-            if r.params.n > 1 and len(r.sequences) == 1 and last_chunk and not x.back:  # its prompt's last logits
+            forks = r.params.n > 1 and len(r.sequences) == 1 and not x.back  # its prompt's last logits
+            # in the prompt's last chunk only: prompt logprobs (ext/logprobs.py) draw in earlier chunks too
+            if forks and plan[x.entry].num_tokens == x.sequence.num_uncomputed():
                 seeds = range(r.params.seed + 1, r.params.seed + r.params.n)
                 r.sequences += [self.fork(x.sequence, seed) for seed in seeds]
                 self.forked += [(x.sequence, child) for child in r.sequences[1:]]
