@@ -224,14 +224,17 @@ class Logprobs:
 def scores(logits, targets, width):
     """logits (R, V), targets (R,) -> on the host: each target's logprob (R,) and rank (R,), and the width
     likeliest ids (R, width) and their logprobs (R, width). In the logits' dtype, float32 at least (the engine
-    samples in it). The (R, V) tensors written on the way are cross-entropy's log_softmax and the rank's
-    comparison; a row's ranks and likeliest ids are its logits'."""
-    logprob = -F.cross_entropy(logits, targets, reduction="none")  # (R,) as the model's own forward takes its loss
+    samples in it). The (R, V) tensors written on the way are the rank's comparison and cross-entropy's
+    log_softmax (width 0) or logsumexp's exponentials; a row's ranks and likeliest ids are its logits'."""
     target = logits.gather(1, targets[:, None])  # (R, 1)
     # as vLLM's: ids tied with it count; summed in int32, twice as fast on a CPU as the default int64
     rank = (logits >= target).sum(-1, dtype=torch.int32)
     top = logits.topk(width)
-    top_logprobs = top.values - logits.logsumexp(-1, keepdim=True) if width else top.values
+    if width:  # the likeliest's logprobs read the rows' logsumexp, and then the target's costs nothing more
+        log_total = logits.logsumexp(-1, keepdim=True)  # (R, 1)
+        logprob, top_logprobs = (target - log_total)[:, 0], top.values - log_total
+    else:  # cross-entropy, as the model's own forward takes its loss: 1.3-2.3x as fast as logsumexp on a CPU
+        logprob, top_logprobs = -F.cross_entropy(logits, targets, reduction="none"), top.values
     host = (logprob, rank, top.indices, top_logprobs)
     return [t.cpu().numpy() for t in host]
 
