@@ -161,8 +161,10 @@ class Logprobs:
     def scoring_rows(self, samplers):
         """Where this step's run of prompt samplers sits among samplers: a slice, empty if they hold none
         (speculation hands its verified draws on one at a time)."""
-        start = next((j for j, x in enumerate(samplers) if self.scoring and x is self.scoring[0]), None)
-        if start is None:
+        if not self.scoring:
+            return slice(0, 0)
+        start = next((j for j, x in enumerate(samplers) if x is self.scoring[0]), None)
+        if start is None:  # a call without them
             return slice(0, 0)
         end = start + len(self.scoring)
         assert samplers[end - 1] is self.scoring[-1], "the prompt samplers were parted"
