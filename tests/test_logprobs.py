@@ -201,3 +201,55 @@ def test_bad_logprobs_settings_are_refused_in_one_line(model, params, message):
 def test_the_bare_core_refuses_logprobs_in_one_line(model):
     with pytest.raises(ValueError, match=r"logprobs 1, prompt_logprobs None: this engine lacks the extension"):
         PagedEngine(model, num_blocks=8, block_size=4).add(Request([1, 2], 2, SamplingParams(logprobs=1)))
+
+
+def random_requests(rng):
+    """Prompts sharing heads (prefix hits), half ending in a repeated motif (prompt lookup proposes), greedy and
+    sampled, n of 1 or 2, logprobs and prompt logprobs of widths 0 and 2 from any position, or none."""
+    heads = [[rng.randrange(300) for _ in range(rng.randint(4, 20))] for _ in range(3)]
+    requests = []
+    for i in range(rng.randint(4, 12)):
+        motif = [rng.randrange(300) for _ in range(3)]
+        tail = (
+            motif * rng.randint(1, 4) if rng.random() < 0.5 else [rng.randrange(300) for _ in range(rng.randint(1, 12))]
+        )
+        prompt = rng.choice(heads) + tail
+        n = rng.choice([1, 1, 2])
+        params = SamplingParams(
+            temperature=0.9 if n > 1 else rng.choice([0.0, 0.9]),
+            top_k=rng.choice([None, 20]),
+            seed=i,
+            n=n,
+            logprobs=rng.choice([None, 0, 2]),
+            prompt_logprobs=rng.choice([None, 0, 2]),
+            prompt_logprobs_from=rng.randint(1, len(prompt)),
+        )
+        requests.append(Request(prompt, min(rng.randint(1, 16), 64 - len(prompt)), params))
+    return requests
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_workloads_with_every_extension(model, seed):
+    """Random workloads through ServingEngine with speculation (none, k = 2, 3 or auto), swap or recompute, small
+    pools and budgets (chunking, preemption), block sizes 1-16 and later arrivals: every logprob equals one full
+    forward's, and the tokens equal a roomy engine's that asks for no logprobs (300 seeds passed once; 8 here)."""
+    rng = random.Random(seed)
+    requests = random_requests(rng)
+    plain = [
+        Request(r.prompt, r.max_new_tokens, replace(r.params, logprobs=None, prompt_logprobs=None)) for r in requests
+    ]
+    block_size = rng.choice([1, 3, 4, 16])
+    engine = ServingEngine(
+        model,
+        num_blocks=max(rng.randint(10, 40) * 4 // block_size, -(-64 // block_size) + 2),
+        block_size=block_size,
+        token_budget=rng.choice([5, 9, 16, 64]),
+        swap_blocks=rng.choice([0, 64 // block_size]),
+        num_speculative_tokens=rng.choice([0, 2, 3, "auto"]),
+    )
+    arrivals = sorted(rng.randint(0, 6) for _ in requests)
+    run_engine(engine, requests, arrivals, check=True)
+    for r in requests:
+        check_request(model, r)
+    run_engine(ServingEngine(model, num_blocks=400, block_size=4), plain, arrivals)
+    assert [[s.generated for s in r.sequences] for r in requests] == [[s.generated for s in r.sequences] for r in plain]
