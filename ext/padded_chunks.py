@@ -44,14 +44,16 @@ class PaddedChunks:
         lengths = longs(self.lengths)[:, None]  # (R, 1)
         columns = torch.arange(max(self.lengths))  # (Q,)
         offsets = columns.minimum(lengths - 1)  # (R, Q): a row's last token repeated as padding
-        index = longs([c.start for c in chunks])[:, None] + offsets
-        positions = longs([c.num_cached for c in chunks])[:, None] + offsets
+        starts = longs([c.start for c in chunks])[:, None]  # (R, 1) in the step's tokens
+        num_cached = longs([c.num_cached for c in chunks])[:, None]  # (R, 1)
+        index, positions = starts + offsets, num_cached + offsets  # (R, Q) each
         longest = int(positions[:, -1].max()) + 1  # keys
         num_blocks = blocks_for(longest, self.k_pool.shape[2])
         real = (columns < lengths).flatten().nonzero()[:, 0]  # the real tokens' places in the (R * Q) rows
         self.padded_index, self.padded_pos, self.padded_real = self.stage(index, positions, real)
         # the chunks' rows of the batch's table, already on the device (staging takes host tensors)
-        self.padded_table = self.table[longs([c.entry for c in chunks]).to(self.table.device), :num_blocks]
+        entries = longs([c.entry for c in chunks]).to(self.table.device)
+        self.padded_table = self.table[entries, :num_blocks]
 
     def attend_chunks(self, layer, q, k, v):
         """The padded chunks in one call, the others one at a time: each chunk's (n, H, D), in the chunks' order."""
