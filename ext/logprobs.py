@@ -80,12 +80,8 @@ class PromptLogprobs(Sequence):
             return [self[i] for i in range(*q.indices(len(self)))]
         if not self.scored[q]:
             return None
-        own = Logprob(self.logprob[q].item(), self.rank[q].item())
-        entry = {self.prompt[q].item(): own}
-        likeliest = zip(self.top_ids[q].tolist(), self.top_logprobs[q].tolist())
-        for rank, (token, value) in enumerate(likeliest, 1):
-            entry.setdefault(token, Logprob(value, rank))
-        return entry
+        own = self.prompt[q].item(), self.logprob[q].item(), self.rank[q].item()
+        return entry(*own, self.top_ids[q].tolist(), self.top_logprobs[q].tolist())
 
     def fill(self, positions, logprob, rank, top_ids, top_logprobs):
         """Score positions (n,) of the prompt, from a step's scores: (n,) each, and (n, at least width)."""
@@ -246,10 +242,14 @@ def entries(logits, targets, widths):
     width likeliest ids'}, computed on the logits' device."""
     host = scores(logits, targets, max(widths))
     logprob, rank, top_ids, top_logprobs = (a.tolist() for a in host)
-    out = []
-    for j, token in enumerate(targets.tolist()):
-        entry = {token: Logprob(logprob[j], rank[j])}
-        for i in range(widths[j]):
-            entry.setdefault(top_ids[j][i], Logprob(top_logprobs[j][i], i + 1))
-        out.append(entry)
+    rows = zip(targets.tolist(), logprob, rank, top_ids, top_logprobs, widths)
+    return [entry(*own, ids[:width], values[:width]) for *own, ids, values, width in rows]
+
+
+def entry(token, logprob, rank, top_ids, top_logprobs):
+    """vLLM's entry: {token: Logprob(logprob, rank), then each of the likeliest ids: its Logprob, ranked by place}
+    (an id among both keeps its own entry)."""
+    out = {token: Logprob(logprob, rank)}
+    for place, (i, value) in enumerate(zip(top_ids, top_logprobs), 1):
+        out.setdefault(i, Logprob(value, place))
     return out
