@@ -4,9 +4,9 @@
     swap.py    swap preemption to host memory                      (swap_blocks > 0)
     speculative.py  prompt-lookup speculative decoding             (num_speculative_tokens > 0 or "auto")
     logprobs.py  log-probabilities of sampled and prompt tokens      (SamplingParams logprobs, prompt_logprobs)
-    cuda.py    one-copy staging and CUDA graphs of decode steps    (compile="graph"; captured on CUDA), with two
-               GPU candidates off until a GPU has measured them: async_steps.py (async_steps=True) and
-               flex_decode.py (decode_attention="flex")
+    cuda.py    one-copy staging and CUDA graphs of decode steps    (compile="graph", auto's on CUDA), with two
+               switches on where a GPU measured them: async_steps.py (async_steps) and flex_decode.py
+               (decode_attention)
     compiled_steps.py  small steps as one compiled graph on a CPU  (compile="step")
     padded_chunks.py  short chunks after cached K/V attend in one call  (by speculative.py and logprobs.py)
 

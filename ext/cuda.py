@@ -1,10 +1,12 @@
 """The paged engine on a CUDA GPU, as nano-vllm's model runner: each step's small tensors are staged in one copy
-from pinned memory, and with compile="graph" (asked for: see the NOTE below) a decode-only step is padded to a fixed
-shape, whose CUDA graph was captured once and is replayed instead of launching every kernel from Python. On a
-CPU, compile="graph" pads the same shapes without capturing them, which the tests check there. Plugs into the
-paged engine at batch_class, make_batch and forward; its two candidates, each one switch and off by default
-until a GPU has run it, at step (async_steps=True: ext/async_steps.py) and at a padded step's decode attention
-(decode_attention="flex": ext/flex_decode.py)."""
+from pinned memory, and with compile="graph" (auto's choice on CUDA: harness/serving.py) a decode-only step is
+padded to a fixed shape, whose CUDA graph was captured once and is replayed instead of launching every kernel from
+Python. On a CPU, compile="graph" pads the same shapes without capturing them, which the tests check there. Plugs
+into the paged engine at batch_class, make_batch and forward; its two switches, each "auto" by default, on where
+a GPU measured that it pays: async_steps at step (ext/async_steps.py) and decode_attention at a padded step's
+decode attention (flex_attention in the large buckets: ext/flex_decode.py)."""
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -102,28 +104,29 @@ class FlexBatch(GraphBatch):
         return attend(q, self.k_pool[layer], self.v_pool[layer], self.block_mask)
 
 
+# decode_attention="auto" on CUDA: flex_attention in padded steps of at least this many rows, gather_attend in
+# smaller ones. On an H200 flex ran one layer's decode attention 1.1-1.5x faster at 64 and 256 rows, and up to
+# 2.9x slower at 16 rows and 4,096 keys (docs/gpu.md)
+FLEX_FROM_ROWS = 64
+FLEX_MIN_BLOCK_SIZE = 16  # flex's GPU kernel multiplies blocks of keys with triton's dot, which takes 16 or more
+
+
 class CudaGraphs(AsyncSteps):
     """A PagedEngine mixin. compile="graph": decode-only steps padded to batch buckets 1, 2, 4, 8, then steps of
     16, each row reading as many blocks as the longest context has (narrower tables, in graphs of their own, ran
     no faster end to end on an H200: docs/gpu.md); on CUDA one graph per bucket, captured largest first in one
     memory pool. With it, on CUDA, every step stages in one copy.
-    NOTE: "graph" is asked for, not auto's choice on CUDA: this form (fixed GraphInputs, captured from a batch
-    with no plan) has run on the CPU only, padded and uncaptured (tests/test_decode_graphs.py); auto chooses it
-    once a GPU has run the CUDA tests and checked its tokens against Hugging Face's.
-    The candidates, off until a GPU run shows they pay (docs/gpu.md): async_steps=True leaves each step's tokens
-    on the device until the next step has launched (AsyncSteps, any compile mode); decode_attention="flex"
-    attends a padded step's decodes through flex_attention instead of gather_attend (FlexBatch, with "graph")."""
+    Its switches, each measured on an H200 (docs/gpu.md): async_steps leaves each step's tokens on the device
+    until the next step has launched (AsyncSteps); decode_attention attends a padded step's decodes through
+    gather_attend or flex_attention (FlexBatch): "auto" is flex in the buckets of FLEX_FROM_ROWS rows or more on
+    CUDA, "flex" in every bucket."""
 
     compile_modes = ("auto", "on", "off", "graph")  # steps it does not pad run as with auto
 
-    def __init__(self, model, *, decode_attention="gather", **kw):
+    def __init__(self, model, *, decode_attention="auto", **kw):
         super().__init__(model, **kw)
-        flex = decode_attention == "flex"
-        if decode_attention not in ("gather", "flex") or flex and self.compile != "graph":
-            why = "'gather', or 'flex' with compile 'graph' (it attends the padded steps)"
-            raise ValueError(f"decode_attention {decode_attention!r} with compile {self.compile!r}: must be {why}")
-        self.graph_batch_class = FlexBatch if flex else GraphBatch  # a padded step's batch
-        if self.device.type == "cuda" and self.compile == "graph":  # the GPU path, asked for (NOTE above)
+        self.flex_from = self.flex_from_rows(decode_attention)  # the smallest padded batch that attends via flex
+        if self.device.type == "cuda" and self.compile == "graph":  # the GPU path
             self.batch_class = StagedBatch
         largest = self.max_batch
         buckets = [1, 2, 4, 8, *range(16, largest, 16)]
@@ -136,6 +139,22 @@ class CudaGraphs(AsyncSteps):
         self.graphs = {}  # batch -> (its CUDA graph, the logits it writes)
         if padded and self.device.type == "cuda":
             self.capture_graphs()
+
+    def flex_from_rows(self, decode_attention):
+        """decode_attention -> the fewest rows of a padded step that attends through flex (inf: none does)."""
+        flex_fits = self.device.type != "cuda" or self.block_size >= FLEX_MIN_BLOCK_SIZE
+        on_gpu_path = self.device.type == "cuda" and self.compile == "graph"
+        if decode_attention == "auto":
+            return FLEX_FROM_ROWS if on_gpu_path and flex_fits else math.inf
+        if decode_attention == "gather":
+            return math.inf
+        if decode_attention == "flex" and self.compile == "graph" and flex_fits:
+            return 1
+        why = f"'auto', 'gather', or 'flex' with compile 'graph' and, on CUDA, blocks of {FLEX_MIN_BLOCK_SIZE} or more"
+        raise ValueError(
+            f"decode_attention {decode_attention!r} with compile {self.compile!r}, block_size {self.block_size}: "
+            f"must be {why}"
+        )
 
     def make_batch(self, plan, samplers):
         if not self.graph_inputs:  # not padding: compile is not "graph"
@@ -151,8 +170,8 @@ class CudaGraphs(AsyncSteps):
 
     def padded_batch(self, plan, samplers, inputs):
         """The step's batch padded to inputs' shape; capture_graphs records each graph from one with no plan."""
-        tables = self.block_tables
-        return self.graph_batch_class(plan, samplers, self.device, self.kv_pool, tables, inputs)
+        batch_class = FlexBatch if len(inputs.idx) >= self.flex_from else GraphBatch
+        return batch_class(plan, samplers, self.device, self.kv_pool, self.block_tables, inputs)
 
     @torch.no_grad()
     def capture_graphs(self):

@@ -88,14 +88,17 @@ def make_engine(model, kind, args, prompts, news, vocab_size):
     if model.lm_head.weight.is_cuda:
         print(f"on CUDA: max_batch {sizes['max_batch']}, token budget {sizes['token_budget']}, {sizes['num_blocks']:,} "
               "blocks (by default: 256, 4,096, at most 90% of free memory)", flush=True)  # fmt: skip
+    compile = args.compile
+    if model.lm_head.weight.is_cuda and compile == "auto":
+        compile = "graph"  # the GPU path, as an H200 verified it: CUDA graphs, ~5x eager steps (docs/gpu.md)
     start = time.time()
-    # exactly the extensions the flags ask for: a plain run is the bare PagedEngine
+    # exactly the extensions the flags ask for: a plain run is the bare PagedEngine (on a CPU)
     cls = engine_class(
         forks=width > 1,
         logprobs=args.logprobs is not None,
         swap=args.swap_blocks > 0,  # parse_args: none unless --preemption swap
         speculative=args.num_speculative_tokens != 0,
-        compile=args.compile,
+        compile=compile,
     )
     extras = {}
     if width > 1:
@@ -109,7 +112,7 @@ def make_engine(model, kind, args, prompts, news, vocab_size):
         block_size=args.block_size,
         **sizes,
         prefix_cache=kind == "paged_prefix",
-        compile=args.compile,
+        compile=compile,
         vocab_size=vocab_size,
         **extras,
     )

@@ -1,11 +1,12 @@
 """The CUDA extension (ext/cuda.py). Decode steps in fixed shapes, as CUDA graphs replay them: padded to a batch
 bucket and a block-table width, reading fixed input buffers. The padding is the same on every device, so these
 run on the CPU (compile="graph" pads without capturing); tests/test_paged.py runs the captured graphs on CUDA.
-Its two candidates, each one switch and off by default: async_steps (ext/async_steps.py) and
+Its two switches, each "auto" (on in the GPU path, off on a CPU): async_steps (ext/async_steps.py) and
 decode_attention="flex" (ext/flex_decode.py), each the engine's own tokens on the CPU, and on CUDA where there is
 one."""
 
 import copy
+import math
 import random
 
 import pytest
@@ -17,8 +18,8 @@ from test_eos import common_token
 from test_robust import workloads
 
 from ext import ServingEngine, engine_class
-from ext.cuda import FlexBatch, GraphBatch
-from ext.flex_decode import compiled_flex, flex_block_mask, flex_paged_attend
+from ext.cuda import FLEX_FROM_ROWS, FlexBatch, GraphBatch
+from ext.flex_decode import compiled_flex, flex_block_mask
 from paged import blocks_for, gather_attend
 from scheduler import PagedEngine
 from sequence import Request, RequestStatus, SamplingParams
@@ -123,50 +124,38 @@ def test_a_capture_batch_with_no_plan_is_all_padding_and_runs_the_forward(model)
     assert engine.kv_pool[:, :, :padding].abs().sum() == 0, "a padding row wrote outside the padding block"
 
 
-def test_the_candidates_are_off_by_default_and_one_switch_each(model):
-    """Neither candidate runs unless asked for (CUDA code is on by default only once a GPU has run it); each is a
-    setting of the engine with the CUDA extension, as generate.py composes it; flex attends padded steps only."""
+def test_the_switches_are_auto_and_off_on_a_cpu_and_one_setting_each(model):
+    """async_steps and decode_attention are "auto": on only in the GPU path (CUDA with compile "graph"), where a GPU
+    measured them; each is a setting of the engine with the CUDA extension, as generate.py composes it. flex
+    attends padded steps only, and on CUDA only with blocks that its kernel takes."""
     engine = ServingEngine(model, num_blocks=20, compile="graph")
-    assert engine.async_steps is False and engine.graph_batch_class is GraphBatch
+    assert engine.async_steps is False and engine.flex_from == math.inf
     engine = engine_class(compile="graph")(
         model, num_blocks=20, compile="graph", async_steps=True, decode_attention="flex"
     )
-    assert engine.async_steps is True and engine.graph_batch_class is FlexBatch
-    for compile, attention in [("off", "flex"), ("graph", "sdpa")]:
+    assert engine.async_steps is True and engine.flex_from == 1
+    assert isinstance(engine.padded_batch([], [], engine.graph_inputs[1]), FlexBatch)
+    engine = ServingEngine(model, num_blocks=20, compile="graph", decode_attention="gather")
+    assert type(engine.padded_batch([], [], engine.graph_inputs[1])) is GraphBatch
+    for compile, attention in [("off", "flex"), ("graph", "sdpa"), ("auto", "flex")]:
         with pytest.raises(ValueError, match="decode_attention"):
             ServingEngine(model, num_blocks=20, compile=compile, decode_attention=attention)
 
 
-@pytest.mark.parametrize("block_size", [1, 3, 16])
-def test_flex_block_mask_names_each_rows_own_keys(block_size):
-    """decode_attention="flex": eager, where mask_mod masks every key, it attends as gather_attend does, in
-    float64; and its block mask, as flex's kernel reads it (whole blocks unmasked, mask_mod only in the partial
-    ones), names exactly each row's first kv_len keys, whatever stale ids sit past a row's blocks, in the layout
-    flex's decoding kernel reads: whole blocks' indices, if any, laid out as the partial ones'."""
-    g = torch.Generator().manual_seed(block_size)
-    B, W, H, D, num_pool_blocks = 6, 5, 3, 8, 40
-    k_pool, v_pool = (torch.randn(num_pool_blocks, block_size, H, D, dtype=torch.float64, generator=g) for _ in "kv")
-    table = torch.randperm(num_pool_blocks - 1, generator=g)[: B * W].view(B, W).int()
-    kv_len = torch.randint(1, W * block_size + 1, (B,), generator=g)
-    kv_len[0] = W * block_size  # every block whole
-    kv_len[1] = 1
-    table[1, 1:] = table[1, 0]  # a stale entry that names the row's own block again
-    table[2], kv_len[2] = num_pool_blocks - 1, 1  # a padding row: one key, in the padding block, named W times
-    mask = flex_block_mask(table, kv_len, num_pool_blocks, block_size)
-    q = torch.randn(B, H, D, dtype=torch.float64, generator=g)
-    assert torch.allclose(flex_paged_attend(q, k_pool, v_pool, mask), gather_attend(q, k_pool, v_pool, table, kv_len))
-    assert mask.kv_indices.shape == (B, 1, 1, W) and mask.kv_indices.is_contiguous()
-    whole = mask.full_kv_indices
-    assert whole is None or (whole.shape, whole.stride()) == (mask.kv_indices.shape, mask.kv_indices.stride())
-    for b in range(B):
-        read = set()
-        for j in [] if whole is None else whole[b, 0, 0, : mask.full_kv_num_blocks[b, 0, 0]].tolist():
-            read |= set(range(j * block_size, (j + 1) * block_size))
-        for j in mask.kv_indices[b, 0, 0, : mask.kv_num_blocks[b, 0, 0]].tolist():
-            keys = torch.arange(j * block_size, (j + 1) * block_size)
-            read |= {k for k in keys.tolist() if mask.mask_mod(torch.tensor(b), 0, 0, torch.tensor(k))}
-        slots = table[b].long()[:, None] * block_size + torch.arange(block_size)  # (W, block_size)
-        assert read == set(slots.flatten()[: kv_len[b]].tolist())
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_gpu_path_turns_its_switches_on_and_refuses_flex_with_small_blocks(model):
+    """On CUDA with compile "graph": async steps, and flex in the buckets of FLEX_FROM_ROWS rows or more (gather
+    below); flex with blocks narrower than its kernel takes is refused with one line, and auto falls back to
+    gather_attend in every bucket."""
+    cuda_model = copy.deepcopy(model).cuda()
+    engine = ServingEngine(cuda_model, num_blocks=40, block_size=16, max_batch=80, compile="graph")
+    assert engine.async_steps is True and engine.flex_from == FLEX_FROM_ROWS
+    assert type(engine.padded_batch([], [], engine.graph_inputs[48])) is GraphBatch
+    assert isinstance(engine.padded_batch([], [], engine.graph_inputs[64]), FlexBatch)
+    with pytest.raises(ValueError, match="blocks of 16 or more"):
+        ServingEngine(cuda_model, num_blocks=40, block_size=4, compile="graph", decode_attention="flex")
+    engine = ServingEngine(cuda_model, num_blocks=40, block_size=4, max_batch=4, compile="graph")
+    assert engine.flex_from == math.inf
 
 
 @pytest.mark.parametrize("block_size", [1, 3, 16])
@@ -270,7 +259,7 @@ def test_async_steps_step_beams_and_speculation_in_the_engines_order(model):
 
 
 def test_async_steps_with_flex_decode_attention_give_the_engines_tokens(model):
-    """Both candidates at once, as bench/gpu.py's candidates section runs them: the engine's tokens."""
+    """Both switches at once, as the GPU path runs them: the engine's tokens."""
     rng = random.Random(2)
     prompts = [[rng.randrange(300) for _ in range(rng.randint(1, 20))] for _ in range(9)]
     outputs = []
@@ -350,7 +339,8 @@ def test_flex_decode_attention_on_cuda_in_captured_steps_gives_gather_attends_to
     rng = random.Random(3)
     prompts = [[rng.randrange(300) for _ in range(rng.randint(1, 20))] for _ in range(9)]
     cuda_model = copy.deepcopy(model).to("cuda", torch.float32)
-    sizes = dict(num_blocks=3 * blocks_for(20 + 12, 4) + 4, block_size=4, token_budget=16, max_batch=12)
+    # blocks of 16, the fewest keys flex's GPU kernel takes (triton's dot); the pool preempts, as the CPU test's
+    sizes = dict(num_blocks=3 * blocks_for(20 + 12, 16) + 4, block_size=16, token_budget=16, max_batch=12)
     outputs = {}
     for attention in ("gather", "flex"):
         engine = ServingEngine(cuda_model, **sizes, compile="graph", decode_attention=attention)
