@@ -1,8 +1,8 @@
-"""Async scheduling, vLLM V1's, as the CUDA extension's switch async_steps=True (ext/async_steps.py, off by
-default): a step's sampled tokens stay on the device while the next step is planned, built and launched. This
+"""Async scheduling, vLLM V1's, as the CUDA extension's switch async_steps (ext/async_steps.py, on in the GPU
+path): a step's sampled tokens stay on the device while the next step is planned, built and launched. This
 serves the same requests (the shipped model, random prompts, greedy and sampled) on the engine with the switch
 off and on, and prints each one's tok/s and whether their tokens are the same; on a CPU nothing overlaps, so
-only the tokens say anything there. bench/gpu.py's candidates section runs it end to end on a GPU.
+only the tokens say anything there. bench/gpu.py's candidates section times it end to end on a GPU.
 
     python bench/async_step.py [--num-requests 32] [--device cpu|cuda] [--compile off]
 

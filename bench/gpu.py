@@ -1,19 +1,22 @@
 """The engine on a CUDA GPU in one command, each section's tables written to --out DIR (DIR/SECTION.md) line by
 line as they are measured, so that a run cut short keeps what it measured. The sections, in the order they run:
     tests       the suite's CUDA tests, python -m pytest -q tests -k cuda (-n 4 where pytest-xdist is installed)
-    hf_equal    float32 greedy: ours with graphs against HF's GPT2LMHeadModel (dynamic cache), token for token
+    hf_equal    float32 greedy: ours with graphs (its defaults, and flex in every bucket) against HF's
+                GPT2LMHeadModel (dynamic cache), token for token
     e2e         end to end, 256 requests: ours with graphs, HF's static cache (compiled: CUDA graphs) and its
                 dynamic cache, alternated; then where one more run of ours spends its time, by kind of step
-    candidates  end to end, the same workload: ours against the CUDA extension's two candidates, async_steps=True
-                and decode_attention="flex", and both, alternated
+    best        ours and HF's static cache on HF's best case: every prompt 128 tokens, 256 new each
+    large       ours and HF's static cache on e2e's workload at GPT-2 large's shape (36 x 1280)
+    candidates  end to end, e2e's workload: ours (its switches' defaults: async steps, flex from 64 rows) against
+                async steps off with gather_attend, and flex in every bucket, alternated
     attention   decode attention, one layer: gather_attend, a split by block, flex_attention through a block mask,
                 gather + SDPA, against SDPA over a contiguous cache
     step        one decode step, eager against its captured graph (not in the default run)
     host        the host side of a step, bench/host_step.py (not in the default run)
 GPT-2 small's shape (12 x 768, vocabulary 50,257), random weights, bf16, greedy. Ours is the engine
-`generate.py --compile graph` builds, ext.engine_class(compile="graph"); the candidates are its switches.
+`generate.py` builds on CUDA (--compile auto is graph there), ext.engine_class(compile="graph").
 
-    python3 bench/gpu.py --out DIR [--sections tests,hf_equal,e2e,candidates,attention] [--budget-s 500]
+    python3 bench/gpu.py --out DIR [--sections tests,hf_equal,e2e,best,large,candidates,attention] [--budget-s 500]
     python bench/gpu.py --dry-run [--out DIR]   # every section on the CPU at a tiny shape, in about a minute
 
 With more than one section, each runs in a process of its own: a CUDA fault (an illegal memory access once
@@ -62,6 +65,8 @@ GPU = dict(
     requests=256,  # end to end: prompts of 16-512 random ids, 16-256 new tokens each
     prompt=(16, 512),
     new=(16, 256),
+    best=dict(prompt=(128, 128), new=(256, 256)),  # HF's best case: every prompt 128 tokens, 256 new each
+    large=dict(n_layer=36, n_head=20, n_embd=1280),  # GPT-2 large's shape, random weights
     repeats=3,
     equal=(16, 64),  # hf_equal: 16 prompts, at most 64 new tokens each
     attention=[(B, L) for B in (1, 16, 64, 256) for L in (1024, 4096)],
@@ -75,6 +80,8 @@ DRY = dict(
     requests=6,
     prompt=(4, 24),
     new=(2, 8),
+    best=dict(prompt=(8, 8), new=(6, 6)),
+    large=dict(n_layer=3, n_head=2, n_embd=48),
     repeats=2,
     equal=(3, 8),
     attention=[(1, 32), (3, 64)],
@@ -112,13 +119,14 @@ def free_cached_memory():
         torch.cuda.empty_cache()
 
 
-def gpt_model(dtype):
+def gpt_model(dtype, **shape):
+    """The run's model, random weights; shape: config fields that differ (SHAPE["large"])."""
     torch.manual_seed(0)
-    return GPT(GPTConfig(**SHAPE["config"])).to(DEVICE, dtype).eval()
+    return GPT(GPTConfig(**{**SHAPE["config"], **shape})).to(DEVICE, dtype).eval()
 
 
 def ours(model, sizes, **switches):
-    """The engine `generate.py --compile graph` builds (with blocks of 16), with the candidates' switches."""
+    """The engine `generate.py` builds on CUDA (--compile auto is graph there; blocks of 16), with switches."""
     return engine_class(compile="graph")(model, block_size=16, compile="graph", **sizes, **switches)
 
 
@@ -275,13 +283,14 @@ def step_table():
         say(step_row(engine, decode_batch(engine, B, L, rng), B, L, weights, bandwidth))
 
 
-def workload(seed, n=None):
-    """n requests (the shape's count): prompts of random ids and new-token counts, seeded."""
+def workload(seed, n=None, prompt=None, new=None):
+    """n requests (the shape's count): prompts of random ids and new-token counts, seeded; prompt and new: the
+    ranges of their lengths (the shape's)."""
     rng = random.Random(seed)
     vocab = SHAPE["config"]["vocab_size"]
     n = n or SHAPE["requests"]
-    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(*SHAPE["prompt"]))] for _ in range(n)]
-    return prompts, [rng.randint(*SHAPE["new"]) for _ in range(n)]
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(*(prompt or SHAPE["prompt"])))] for _ in range(n)]
+    return prompts, [rng.randint(*(new or SHAPE["new"])) for _ in range(n)]
 
 
 def engine_sizes(model, prompts, news):
@@ -341,7 +350,8 @@ def time_steps(engine):
 
     def timed_sample(*args):
         marks["sample"] = time.perf_counter()
-        tokens = sample(*args).cpu()  # the wait for the device: the step then reads them on the host
+        tokens = sample(*args)
+        sync()  # the wait for the device; the tokens stay where they are (async steps read them there)
         marks["sampled"] = time.perf_counter()
         return tokens
 
@@ -412,17 +422,19 @@ def rows_table(runs, useful):
         say(f"| {name} | {statistics.median(tok_s):,.0f} ({tok_s[0]:,.0f}-{tok_s[-1]:,.0f}) | {ratio} |")
 
 
-def e2e_table():
+def e2e_table(model_shape=None, lengths=None, dynamic=True):
     """Ours with graphs, HF's static cache (compiled on CUDA) and its dynamic cache, alternated, bf16, greedy, warm;
-    useful tokens/s. Then where one more run of ours spends its time."""
-    model = gpt_model(torch.bfloat16)
-    prompts, news = workload(1)
-    warm_prompts, warm_news = workload(2)
+    useful tokens/s. Then where one more run of ours spends its time. model_shape: config fields that differ;
+    lengths: dict(prompt=, new=) ranges (the shape's)."""
+    model = gpt_model(torch.bfloat16, **(model_shape or {}))
+    prompts, news = workload(1, **(lengths or {}))
+    warm_prompts, warm_news = workload(2, **(lengths or {}))
     useful = sum(news)
     sizes = engine_sizes(model, prompts, news)
     start = time.perf_counter()
     engine = ours(model, sizes)
     say(f"ours: {sizes}, {len(engine.graphs)} graphs captured in {time.perf_counter() - start:.1f} s")
+    say(f"ours' switches: async_steps {engine.async_steps}, flex decode attention from {engine.flex_from} rows")
     run_ours(engine, warm_prompts, warm_news)
     systems = {"ours": functools.partial(run_ours, engine, prompts, news)}
     runs = alternate(systems, useful) if OURS_FIRST else {}
@@ -430,27 +442,38 @@ def e2e_table():
     start = time.perf_counter()
     run_hf(hf, prompts, news, cache_implementation="static")  # the timed shapes: nothing compiles while timed
     say(f"HF static cache: warm-up (compiles on CUDA) {time.perf_counter() - start:.1f} s")
-    run_hf(hf, prompts, news)
     systems = {} if OURS_FIRST else systems
     systems["HF static"] = functools.partial(run_hf, hf, prompts, news, cache_implementation="static")
-    systems["HF dynamic"] = functools.partial(run_hf, hf, prompts, news)
+    if dynamic:
+        run_hf(hf, prompts, news)
+        systems["HF dynamic"] = functools.partial(run_hf, hf, prompts, news)
     # NOTE: alternated, ours' first timed run follows HF's compile (torch.compile, reduce-overhead), the order in
     # which ours once failed with an illegal memory access (H200, 2026-11-26); --ours-first runs ours first
     runs.update(alternate(systems, useful))
     same_tokens(runs)
     rows_table(runs, useful)
-    if "ours" in runs:
+    if "ours" in runs and dynamic:
         steps = time_steps(engine)
         run_ours(engine, prompts, news)
-        say("\nWhere one more run of ours spent its time (each step timed in phases on the host):\n")
+        say("\nWhere one more run of ours spent its time (each step timed in phases on the host; the timing waits for")
+        say("each step's tokens, so that async steps run in order here):\n")
         breakdown_table(steps)
 
 
+def best_case_table():
+    """e2e's systems on HF's best case: every prompt as long, every request as many new tokens."""
+    e2e_table(lengths=SHAPE["best"], dynamic=False)
+
+
+def large_table():
+    """e2e's workload and systems at GPT-2 large's shape."""
+    e2e_table(model_shape=SHAPE["large"], dynamic=False)
+
+
 CANDIDATES = {  # name -> the CUDA extension's switches
-    "ours": {},
-    "ours, async steps": dict(async_steps=True),
-    "ours, flex decode attention": dict(decode_attention="flex"),
-    "ours, async steps + flex": dict(async_steps=True, decode_attention="flex"),
+    "ours": {},  # the defaults: async steps, flex from FLEX_FROM_ROWS rows
+    "ours, in order, gather_attend": dict(async_steps=False, decode_attention="gather"),
+    "ours, flex in every bucket": dict(decode_attention="flex"),
 }
 
 
@@ -478,27 +501,31 @@ def candidates_table():
 
 
 def hf_equal():
-    """float32 greedy: ours (graphs) and HF (dynamic cache) give the same tokens."""
+    """float32 greedy: ours (graphs, its defaults) and ours with flex in every bucket give HF's (dynamic cache)
+    tokens."""
     model = gpt_model(torch.float32)
     n, most = SHAPE["equal"]
     prompts, news = workload(3, n)
     news = [min(m, most) for m in news]
-    engine = ours(model, dict(num_blocks=1024, max_batch=16, token_budget=1024))
-    mine = run_ours(engine, prompts, news)[1]
     theirs = run_hf(hf_model(model, torch.float32), prompts, news)[1]
-    equal = sum(a == b for a, b in zip(mine, theirs))
     lo, hi = SHAPE["prompt"]
-    say(f"float32 greedy, {n} prompts of {lo}-{hi} tokens, up to {most} new: {equal}/{n} outputs equal to HF's")
-    for i, (a, b) in enumerate(zip(mine, theirs)):
-        if a != b:
-            first = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-            say(f"request {i}: first differs at new token {first}")
+    for name, switches in [("ours", {}), ("ours, flex in every bucket", dict(decode_attention="flex"))]:
+        engine = ours(model, dict(num_blocks=1024, max_batch=16, token_budget=1024), **switches)
+        mine = run_ours(engine, prompts, news)[1]
+        equal = sum(a == b for a, b in zip(mine, theirs))
+        say(f"{name}: float32 greedy, {n} prompts of {lo}-{hi} tokens, up to {most} new: {equal}/{n} equal to HF's")
+        for i, (a, b) in enumerate(zip(mine, theirs)):
+            if a != b:
+                first = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                say(f"request {i}: first differs at new token {first}")
 
 
 def cuda_tests():
     """The test suite's CUDA tests, their output. Fails the section where pytest fails."""
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--disable-warnings", "-rfEs"]
     cmd += ["tests", "-k", "cuda"]
+    if not importlib.util.find_spec("lm_eval"):  # the GPU image lacks it; the module has no CUDA test
+        cmd += ["--ignore", "tests/test_scoring.py"]
     if importlib.util.find_spec("xdist"):  # the GPU image has pytest-xdist: compiles run side by side
         cmd += ["-n", "4"]
     say(f"$ python -m pytest {' '.join(cmd[3:])}\n```")
@@ -529,7 +556,9 @@ TITLES = dict(
     tests="The CUDA tests",
     hf_equal="Tokens against HF, float32",
     e2e="End to end: {requests} requests, prompts {prompt[0]}-{prompt[1]}, {new[0]}-{new[1]} new, bf16, greedy",
-    candidates="End to end, the candidates: async_steps and decode_attention='flex', the same workload",
+    best="End to end, HF's best case: {requests} requests, every prompt {best[prompt][0]} tokens, {best[new][0]} new, bf16",
+    large="End to end at GPT-2 large's shape ({large[n_layer]} x {large[n_embd]}, random weights), e2e's workload",
+    candidates="End to end, the switches: the defaults against async steps off with gather_attend, and flex everywhere",
     attention="Decode attention, one layer",
     step="One decode step, eager against its CUDA graph",
     host="The host side of a step (bench/host_step.py)",
@@ -538,12 +567,14 @@ SECTIONS = dict(
     tests=cuda_tests,
     hf_equal=hf_equal,
     e2e=e2e_table,
+    best=best_case_table,
+    large=large_table,
     candidates=candidates_table,
     attention=attention_table,
     step=step_table,
     host=host_table,
 )
-DEFAULT = "tests,hf_equal,e2e,candidates,attention"
+DEFAULT = "tests,hf_equal,e2e,best,large,candidates,attention"
 
 
 def run_section(name, args):
