@@ -351,7 +351,8 @@ def time_steps(engine):
     def timed_sample(*args):
         marks["sample"] = time.perf_counter()
         tokens = sample(*args)
-        sync()  # the wait for the device; the tokens stay where they are (async steps read them there)
+        if tokens.is_cuda:  # the wait for the device; the tokens stay there (async steps read them there)
+            torch.cuda.synchronize()
         marks["sampled"] = time.perf_counter()
         return tokens
 
