@@ -11,6 +11,7 @@ line as they are measured, so that a run cut short keeps what it measured. The s
                 async steps off with gather_attend, and flex in every bucket, alternated
     attention   decode attention, one layer: gather_attend, a split by block, flex_attention through a block mask,
                 gather + SDPA, against SDPA over a contiguous cache
+    profile     the best case's kernels, ours and HF's static cache, under torch.profiler (not in the default run)
     step        one decode step, eager against its captured graph (not in the default run)
     host        the host side of a step, bench/host_step.py (not in the default run)
 GPT-2 small's shape (12 x 768, vocabulary 50,257), random weights, bf16, greedy. Ours is the engine
@@ -471,6 +472,31 @@ def large_table():
     e2e_table(model_shape=SHAPE["large"], dynamic=False)
 
 
+def profile_table():
+    """One run of ours and one of HF's static cache on the best case, each under torch.profiler after a warm run:
+    their kernels (ops on a CPU) by self time, and the run's wall time against the device's busy time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = gpt_model(torch.bfloat16)
+    prompts, news = workload(1, **SHAPE["best"])
+    engine = ours(model, engine_sizes(model, prompts, news))
+    hf = hf_model(model, torch.bfloat16)
+    systems = {
+        "ours": functools.partial(run_ours, engine, prompts, news),
+        "HF static": functools.partial(run_hf, hf, prompts, news, cache_implementation="static"),
+    }
+    activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * on_cuda()
+    key = "self_device_time_total" if on_cuda() else "self_cpu_time_total"
+    for name, run in systems.items():
+        run()  # warm: compiles and captures outside the profile
+        with profile(activities=activities) as prof:
+            seconds, _ = run()
+        events = prof.key_averages()
+        busy_ms = sum(getattr(e, key) for e in events) / 1e3
+        say(f"\n### {name}: {sum(news) / seconds:,.0f} tok/s, {seconds * 1e3:,.0f} ms wall, {busy_ms:,.0f} ms {key}\n")
+        say("```\n" + events.table(sort_by=key, row_limit=25, max_name_column_width=60) + "\n```")
+
+
 CANDIDATES = {  # name -> the CUDA extension's switches
     "ours": {},  # the defaults: async steps, flex from FLEX_FROM_ROWS rows
     "ours, in order, gather_attend": dict(async_steps=False, decode_attention="gather"),
@@ -561,6 +587,7 @@ TITLES = dict(
     large="End to end at GPT-2 large's shape ({large[n_layer]} x {large[n_embd]}, random weights), e2e's workload",
     candidates="End to end, the switches: the defaults against async steps off with gather_attend, and flex everywhere",
     attention="Decode attention, one layer",
+    profile="Where the best case's time goes: ours and HF's static cache under torch.profiler",
     step="One decode step, eager against its CUDA graph",
     host="The host side of a step (bench/host_step.py)",
 )
@@ -572,6 +599,7 @@ SECTIONS = dict(
     large=large_table,
     candidates=candidates_table,
     attention=attention_table,
+    profile=profile_table,
     step=step_table,
     host=host_table,
 )

@@ -27,6 +27,7 @@ TABLES = {  # section -> lines of the tables it prints: their headers, and rows 
         "| ours, flex in every bucket |",
     ],
     "attention": ["| B | L | gather_attend (compiled) |", "| 3 | 64 |"],
+    "profile": ["### ours: ", "### HF static: ", "Self CPU time total"],
     "step": ["| B | L | shape | eager ms |", "| 3 | 40 | (3, 4) |"],
     "host": ["| device | run | ms a step |", "| cpu | 2 |"],
 }
