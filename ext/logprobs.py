@@ -19,13 +19,13 @@ Plugs into the engine at check_extensions, cacheable, samplers, batch_class (sho
 attend together: ext/padded_chunks.py), sample and append_tokens. Beams report their scores instead
 (ext/forks.py) and take neither."""
 
+import functools
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import NamedTuple
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from engine import Sampler
 from ext.padded_chunks import padded_batch_class
@@ -182,7 +182,8 @@ class Logprobs:
             targets = np.concatenate([r.prompt_logprobs.prompt[scored] for r, scored in self.spans])
             targets = torch.from_numpy(targets).to(logits.device)
             width = max(r.params.prompt_logprobs for r, _ in self.spans)
-            self.scores = scores(logits[rows], targets, width)
+            compiled = self.compile != "off" and logits.device.type == "cpu"  # no GPU has run it compiled yet
+            self.scores = scores(logits[rows], targets, width, compiled)
         return tokens
 
     def draw(self, logits, batch, samplers, drawn):
@@ -219,21 +220,30 @@ class Logprobs:
         self.scores = None
 
 
-def scores(logits, targets, width):
-    """logits (R, V), targets (R,) -> on the host: each target's logprob (R,) and rank (R,), and the width
-    likeliest ids (R, width) and their logprobs (R, width). In the logits' dtype, float32 at least (the engine
-    samples in it). The (R, V) tensors written on the way are the rank's comparison and cross-entropy's
-    log_softmax (width 0) or logsumexp's exponentials; a row's ranks and likeliest ids are its logits'."""
+def target_scores(logits, targets):
+    """logits (R, V), targets (R,) -> each target's logprob (R,) and rank (R,), and each row's logsumexp (R, 1).
+    Row reductions only: compiled (compiled_target_scores), they read the logits in a pass or two and write no
+    (R, V) tensor, where eager ops write the rank's comparison and log_softmax's output."""
     target = logits.gather(1, targets[:, None])  # (R, 1)
     # as vLLM's: ids tied with it count; summed in int32, twice as fast on a CPU as the default int64
     rank = (logits >= target).sum(-1, dtype=torch.int32)
+    log_total = logits.logsumexp(-1, keepdim=True)
+    return (target - log_total)[:, 0], rank, log_total
+
+
+@functools.cache
+def compiled_target_scores():
+    return torch.compile(target_scores, dynamic=True)
+
+
+def scores(logits, targets, width, compiled=False):
+    """logits (R, V), targets (R,) -> on the host: each target's logprob (R,) and rank (R,), and the width
+    likeliest ids (R, width) and their logprobs (R, width). In the logits' dtype, float32 at least (the engine
+    samples in it); compiled: through torch.compile (on a CPU, 2-4x as fast as the eager ops at 512-2,048 rows of
+    2,048 ids, and never slower at 8-128)."""
+    logprob, rank, log_total = (compiled_target_scores() if compiled else target_scores)(logits, targets)
     top = logits.topk(width)
-    if width:  # the likeliest's logprobs read the rows' logsumexp, and then the target's costs nothing more
-        log_total = logits.logsumexp(-1, keepdim=True)  # (R, 1)
-        logprob, top_logprobs = (target - log_total)[:, 0], top.values - log_total
-    else:  # cross-entropy, as the model's own forward takes its loss: 1.3-2.3x as fast as logsumexp on a CPU
-        logprob, top_logprobs = -F.cross_entropy(logits, targets, reduction="none"), top.values
-    host = (logprob, rank, top.indices, top_logprobs)
+    host = (logprob, rank, top.indices, top.values - log_total)
     return [t.cpu().numpy() for t in host]
 
 
