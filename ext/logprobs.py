@@ -174,15 +174,15 @@ class Logprobs:
         tokens = self.draw(logits, batch, samplers, drawn)
         asking = [j for j in drawn if samplers[j].sequence.request.params.logprobs is not None]
         self.entries, self.scores = {}, None
+        compiled = self.compile != "off" and logits.device.type == "cpu"  # no GPU has run it compiled yet
         if asking:
             widths = [samplers[j].sequence.request.params.logprobs for j in asking]
-            asked = entries(logits[asking], tokens[asking], widths)
+            asked = entries(logits[asking], tokens[asking], widths, compiled)
             self.entries = {samplers[j]: entry for j, entry in zip(asking, asked)}
         if self.spans:  # each scores the prompt's token after its position
             targets = np.concatenate([r.prompt_logprobs.prompt[scored] for r, scored in self.spans])
             targets = torch.from_numpy(targets).to(logits.device)
             width = max(r.params.prompt_logprobs for r, _ in self.spans)
-            compiled = self.compile != "off" and logits.device.type == "cpu"  # no GPU has run it compiled yet
             self.scores = scores(logits[rows], targets, width, compiled)
         return tokens
 
@@ -247,10 +247,10 @@ def scores(logits, targets, width, compiled=False):
     return [t.cpu().numpy() for t in host]
 
 
-def entries(logits, targets, widths):
+def entries(logits, targets, widths, compiled=False):
     """logits (R, V), targets (R,), each row's width -> an entry for each row: {target: Logprob, then the
-    width likeliest ids'}, computed on the logits' device."""
-    host = scores(logits, targets, max(widths))
+    width likeliest ids'}, computed on the logits' device (compiled: as scores)."""
+    host = scores(logits, targets, max(widths), compiled)
     logprob, rank, top_ids, top_logprobs = (a.tolist() for a in host)
     rows = zip(targets.tolist(), logprob, rank, top_ids, top_logprobs, widths)
     return [entry(*own, ids[:width], values[:width]) for *own, ids, values, width in rows]
