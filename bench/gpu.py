@@ -583,7 +583,8 @@ TITLES = dict(
     tests="The CUDA tests",
     hf_equal="Tokens against HF, float32",
     e2e="End to end: {requests} requests, prompts {prompt[0]}-{prompt[1]}, {new[0]}-{new[1]} new, bf16, greedy",
-    best="End to end, HF's best case: {requests} requests, every prompt {best[prompt][0]} tokens, {best[new][0]} new, bf16",
+    best="End to end, HF's best case: {requests} requests, every prompt {best[prompt][0]} tokens, {best[new][0]} new, "
+    "bf16",
     large="End to end at GPT-2 large's shape ({large[n_layer]} x {large[n_embd]}, random weights), e2e's workload",
     candidates="End to end, the switches: the defaults against async steps off with gather_attend, and flex everywhere",
     attention="Decode attention, one layer",

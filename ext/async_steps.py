@@ -1,8 +1,8 @@
-"""Async scheduling, as vLLM V1 has it: the CUDA extension's switch async_steps (ext/cuda.py), on by default
-where a GPU has measured it, in the GPU path (CUDA with compile="graph"). A step's sampled tokens stay on the device while the next step is planned, built and
-launched; only then does the host wait for them. On a GPU the host's work for step n + 1 (plan, batch, staging,
-launch) and its bookkeeping of step n then run while the device runs, so that a step costs the larger of the two
-instead of their sum. On a CPU nothing overlaps (the forward runs on the calling thread), but the tokens are the
+"""Async scheduling, as vLLM V1 has it: the CUDA extension's switch async_steps (ext/cuda.py), on by default in
+the GPU path (CUDA with compile="graph"), where a GPU measured it. A step's sampled tokens stay on the device
+while the next step is planned, built and launched; only then does the host wait for them. On a GPU the host's
+work for step n + 1 (plan, batch, staging, launch) and its bookkeeping of step n then run while the device runs,
+so that a step costs the larger of the two instead of their sum. On a CPU nothing overlaps (the forward runs on the calling thread), but the tokens are the
 engine's own, which tests/test_decode_graphs.py checks.
 
 How a token that is not on the host yet is used:
@@ -24,7 +24,7 @@ from sequence import RequestStatus, SequenceStatus
 class AsyncSteps:
     """A PagedEngine mixin, the CUDA extension's base: with async_steps, step draws on the device and leaves the
     tokens there until the next step has launched. Without it, step is the engine's own. "auto": on in the GPU
-    path, where an H200 measured it 1.19x end to end with the same tokens (docs/gpu.md); off elsewhere."""
+    path, where an H200 measured it 1.15-1.32x end to end with the same tokens (docs/gpu.md); off elsewhere."""
 
     def __init__(self, model, *, async_steps="auto", **kw):
         super().__init__(model, **kw)

@@ -1,8 +1,8 @@
 """Decode attention through flex_attention: the CUDA extension's switch decode_attention (ext/cuda.py), on by
-default in the GPU path's padded steps of 64 rows or more, where an H200 measured it faster. The block table becomes flex's block mask over the pool flattened to
-slots, so that flex's decoding kernel streams each row's own blocks, reads the pool in place, and skips a padded
-table's empty entries, which gather_attend computes and masks away (a decode graph's rows are all as wide as the
-longest context).
+default in the GPU path's padded steps of 64 rows or more, where an H200 measured it faster. The block table
+becomes flex's block mask over the pool flattened to slots, so that flex's decoding kernel streams each row's own
+blocks, reads the pool in place, and skips a padded table's empty entries, which gather_attend computes and masks
+away (a decode graph's rows are all as wide as the longest context).
 
 Every block goes through an exact mask_mod; none is marked whole. Marking a row's full blocks whole and sending
 only its last block through mask_mod would read the wrong keys on a GPU: torch 2.13's decoding kernel reads the
