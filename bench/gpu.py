@@ -8,7 +8,8 @@ line as they are measured, so that a run cut short keeps what it measured. The s
     best        ours and HF's static cache on HF's best case: every prompt 128 tokens, 256 new each
     large       ours and HF's static cache on e2e's workload at GPT-2 large's shape (36 x 1280)
     candidates  end to end, e2e's workload: ours (its switches' defaults: async steps, flex from 64 rows) against
-                async steps off with gather_attend, and flex in every bucket, alternated
+                its candidate pad_chunks=True (a step's prompt chunks in one padded call a layer), and flex in
+                every bucket, alternated
     attention   decode attention, one layer: gather_attend, a split by block, flex_attention through a block mask,
                 gather + SDPA, against SDPA over a contiguous cache
     profile     the best case's kernels, ours and HF's static cache, under torch.profiler (not in the default run)
@@ -499,7 +500,7 @@ def profile_table():
 
 CANDIDATES = {  # name -> the CUDA extension's switches
     "ours": {},  # the defaults: async steps, flex from FLEX_FROM_ROWS rows
-    "ours, in order, gather_attend": dict(async_steps=False, decode_attention="gather"),
+    "ours, prompt chunks padded": dict(pad_chunks=True),  # a candidate, off by default
     "ours, flex in every bucket": dict(decode_attention="flex"),
 }
 
@@ -586,7 +587,7 @@ TITLES = dict(
     best="End to end, HF's best case: {requests} requests, every prompt {best[prompt][0]} tokens, {best[new][0]} new, "
     "bf16",
     large="End to end at GPT-2 large's shape ({large[n_layer]} x {large[n_embd]}, random weights), e2e's workload",
-    candidates="End to end, the switches: the defaults against async steps off with gather_attend, and flex everywhere",
+    candidates="End to end, the switches: the defaults against prompt chunks padded, and flex everywhere",
     attention="Decode attention, one layer",
     profile="Where the best case's time goes: ours and HF's static cache under torch.profiler",
     step="One decode step, eager against its CUDA graph",

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from ext.async_steps import AsyncSteps
 from ext.flex_decode import flex_attend, flex_block_mask
+from ext.padded_chunks import padded_batch_class
 from paged import PagedBatch
 
 
@@ -119,15 +120,18 @@ class CudaGraphs(AsyncSteps):
     Its switches, each measured on an H200 (docs/gpu.md): async_steps leaves each step's tokens on the device
     until the next step has launched (AsyncSteps); decode_attention attends a padded step's decodes through
     gather_attend or flex_attention (FlexBatch): "auto" is flex in the buckets of FLEX_FROM_ROWS rows or more on
-    CUDA, "flex" in every bucket."""
+    CUDA, "flex" in every bucket. A candidate, off until a GPU has measured it: pad_chunks=True attends a step's
+    prompt chunks in one padded call a layer (ext/padded_chunks.py), where the GPU path runs each alone."""
 
     compile_modes = ("auto", "on", "off", "graph")  # steps it does not pad run as with auto
 
-    def __init__(self, model, *, decode_attention="auto", **kw):
+    def __init__(self, model, *, decode_attention="auto", pad_chunks=False, **kw):
         super().__init__(model, **kw)
         self.flex_from = self.flex_from_rows(decode_attention)  # the smallest padded batch that attends via flex
         if self.device.type == "cuda" and self.compile == "graph":  # the GPU path
             self.batch_class = StagedBatch
+        if pad_chunks:  # the steps with prompt chunks: one attention call a layer
+            self.batch_class = padded_batch_class(self.batch_class, every_chunk=True)
         largest = self.max_batch
         buckets = [1, 2, 4, 8, *range(16, largest, 16)]
         self.graph_batches = [b for b in buckets if b < largest] + [largest]

@@ -4,7 +4,9 @@ attention call of its own in every layer (PagedBatch.attend_chunk). Two extensio
 speculation, whose verify rows are a sequence's next token and its proposals (ext/speculative.py), and prompt
 logprobs, whose scored continuations follow a context in the prefix cache (ext/logprobs.py; a multiple-choice
 question's later choices). Each composes it into the engine's batch class (padded_batch_class); a plain engine
-attends each chunk alone.
+attends each chunk alone. The CUDA extension's switch pad_chunks=True (off until a GPU has measured it) pads
+every chunk of a step, prompts from their start too, where padding at most doubles the rows: on a GPU a step's
+prompt chunks then cost one attention call a layer instead of one each.
 
 Padding changes nothing a row's real tokens see: a padding query repeats its row's last token, and a row's keys
 past its own are masked (model.attend), as in the one-token call. The products run over a padded shape, so a
@@ -26,6 +28,12 @@ def is_short(chunk):
     return chunk.num_cached > 0 and chunk.end - chunk.start <= SHORT
 
 
+def few_padding(chunks):
+    """Whether padding every chunk to the longest at most doubles their rows."""
+    lengths = [c.end - c.start for c in chunks]
+    return len(lengths) * max(lengths, default=0) <= 2 * sum(lengths)
+
+
 class PaddedChunks:
     """A mixin of the engine's batch class: the step's chunks of at most SHORT new tokens after cached K/V attend
     in one call; the others, prompts from their start and long chunks, one at a time. On the device, besides the
@@ -34,9 +42,12 @@ class PaddedChunks:
         padded_pos: (R, Q) their positions; padded_table: (R, W) the chunks' blocks;
         padded_real: the real tokens' places in the flattened (R * Q) rows."""
 
+    every_chunk = False  # pad_chunks=True (ext/cuda.py): every chunk, where few_padding
+
     def __init__(self, plan, samplers, *args):
         super().__init__(plan, samplers, *args)
-        self.padded = [i for i, chunk in enumerate(self.chunks) if is_short(chunk)]
+        every = self.every_chunk and few_padding(self.chunks)
+        self.padded = [i for i, chunk in enumerate(self.chunks) if every or is_short(chunk)]
         if not self.padded:
             return
         chunks = [self.chunks[i] for i in self.padded]
@@ -71,8 +82,10 @@ class PaddedChunks:
 
 
 @functools.cache
-def padded_batch_class(batch_class):
-    """The engine's batch class (PagedBatch, or on CUDA one-copy staging's) with padded chunks, once."""
+def padded_batch_class(batch_class, every_chunk=False):
+    """The engine's batch class (PagedBatch, or on CUDA one-copy staging's) with padded chunks, once; every_chunk:
+    every chunk of a step padded, where few_padding."""
     if issubclass(batch_class, PaddedChunks):
         return batch_class
-    return type("Padded" + batch_class.__name__, (PaddedChunks, batch_class), {})
+    name = ("PaddedEvery" if every_chunk else "Padded") + batch_class.__name__
+    return type(name, (PaddedChunks, batch_class), {"every_chunk": every_chunk})

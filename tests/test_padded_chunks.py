@@ -1,6 +1,7 @@
 """Short chunks after cached K/V attend together, padded (ext/padded_chunks.py): the tokens equal the bare core's,
 which attends each chunk alone, and the contiguous baseline's, under prefix hits, chunking and preemption; the
-chunks' prompt logprobs equal the model's own."""
+chunks' prompt logprobs equal the model's own. The CUDA extension's pad_chunks=True pads every chunk of a step,
+prompts from their start too: the same tokens, with forks, beams and preemption."""
 
 import copy
 import random
@@ -8,24 +9,30 @@ import random
 import pytest
 import torch
 from conftest import baseline, check_invariants, make_requests, run_engine
+from test_decode_graphs import mixed_requests
 from test_logprobs import check_request
 
+from batch import Chunk
 from engine import PlanEntry, Sampler
-from ext import engine_class
+from ext import ServingEngine, engine_class
 from ext.cuda import StagedBatch
-from ext.padded_chunks import SHORT, PaddedChunks, padded_batch_class
+from ext.padded_chunks import SHORT, PaddedChunks, few_padding, padded_batch_class
+from paged import blocks_for
 from scheduler import PagedEngine
 from sequence import Request, SamplingParams
 
 
 class CountPadded:
-    """An engine mixin that counts the steps whose batch attends two or more chunks padded, and the chunks."""
+    """An engine mixin that counts the steps whose batch attends two or more chunks padded, the chunks, and those
+    padded from their prompt's start."""
 
     def make_batch(self, plan, samplers):
         batch = super().make_batch(plan, samplers)
         if len(getattr(batch, "padded", [])) > 1:
             self.padded_steps = getattr(self, "padded_steps", 0) + 1
             self.padded_chunks = getattr(self, "padded_chunks", 0) + len(batch.padded)
+            fresh = sum(batch.chunks[i].num_cached == 0 for i in batch.padded)  # prompts from their start
+            self.padded_fresh = getattr(self, "padded_fresh", 0) + fresh
         return batch
 
 
@@ -126,3 +133,54 @@ def test_padded_chunks_on_cuda_give_the_cpu_cores_tokens_and_logprobs(model, com
     for r in requests:
         check_request(model, r)
     assert engine.padded_steps > 0
+
+
+def test_few_padding_bounds_the_padded_rows_by_twice_the_real_ones():
+    chunk = lambda n: Chunk(0, 0, n, 0)
+    assert few_padding([chunk(8), chunk(8), chunk(2)])  # 3 x 8 rows for 18 real: at most 36
+    assert not few_padding([chunk(64), chunk(2), chunk(2)])  # 3 x 64 for 68
+    assert few_padding([])
+
+
+@pytest.mark.parametrize("block_size,token_budget", [(1, 40), (4, 64), (16, 512)])
+@pytest.mark.parametrize("compile", ["off", "graph"])
+def test_every_chunk_padded_gives_the_cores_tokens_with_forks_beams_and_preemption(
+    model, block_size, token_budget, compile
+):
+    """pad_chunks=True: a step's prompt chunks, from their start or after cached K/V, attend in one padded call
+    where padding at most doubles their rows. Greedy requests, samples and beams, prompts of 1-40 tokens in
+    chunks, a pool that preempts: the bare core's tokens (which attends each chunk alone), in float64."""
+    rng = random.Random(block_size)
+    prompts = [[rng.randrange(300) for _ in range(rng.randint(1, 40))] for _ in range(9)]
+    num_blocks = 3 * blocks_for(40 + 12, block_size) + 4  # a beam group of the longest prompt, and 4 more
+    outputs = {}
+    for pad_chunks in (False, True):
+        cls = type("Counted", (CountPadded, ServingEngine), {})  # the CUDA extension's switch, any compile mode
+        sizes = dict(num_blocks=num_blocks, block_size=block_size, token_budget=token_budget, max_batch=12)
+        engine = cls(model, **sizes, compile=compile, pad_chunks=pad_chunks)
+        requests = mixed_requests(prompts)
+        run_engine(engine, requests, check=True)
+        outputs[pad_chunks] = [[s.generated for s in r.sequences] for r in requests]
+        assert engine.meter.num_preemptions > 0
+        assert (getattr(engine, "padded_fresh", 0) > 0) == pad_chunks
+    assert outputs[True] == outputs[False]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_every_chunk_padded_on_cuda_gives_the_cpu_cores_tokens(model):
+    """pad_chunks=True on a GPU with captured decode steps: samples, beams and preemption give the tokens of
+    the bare core on the CPU (float64 both)."""
+    rng = random.Random(11)
+    prompts = [[rng.randrange(300) for _ in range(rng.randint(1, 40))] for _ in range(9)]
+    sizes = dict(num_blocks=3 * blocks_for(40 + 12, 16) + 4, block_size=16, token_budget=64, max_batch=12)
+    want = ServingEngine(model, **sizes)
+    engine = type("Counted", (CountPadded, ServingEngine), {})(
+        copy.deepcopy(model).cuda(), **sizes, compile="graph", pad_chunks=True
+    )
+    outputs = []
+    for e in (want, engine):
+        requests = mixed_requests(prompts)
+        run_engine(e, requests, check=True)
+        outputs.append([[s.generated for s in r.sequences] for r in requests])
+    assert outputs[0] == outputs[1]
+    assert engine.padded_fresh > 0 and engine.meter.num_preemptions > 0
