@@ -52,8 +52,9 @@ def cut_value(x, top_k, top_p):
 def invert_cdf(x, least, u):
     """x (R, C) scaled candidates, least (R, 1), u (R,) -> (R, 1): the column whose CDF, over the columns
     of at least `least`, first passes u."""
-    # unnormalized (x <= 0: no exp overflows), as u is scaled to the cumsum's end; the clamp catches a u rounded onto it
-    cdf = x.exp().masked_fill(x < least, 0).cumsum(-1)
+    # unnormalized (x <= 0: no exp overflows), as u is scaled to the cumsum's end; the clamp catches a u rounded onto
+    # it. A product with the mask: masked_fill took 2.7x as long on a CPU (7 ms at 64 x 50k)
+    cdf = x.exp().mul_(x >= least).cumsum(-1)
     column = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)
     return column.clamp(max=cdf.size(1) - 1)
 
@@ -72,7 +73,7 @@ def sample(logits, settings, position, num_best, uncut):
     temperature = temperature.where(sampled, 1.0).float()[:, None]
     u = uniform(seed.long(), position)
     cuts = top_k > 0  # top_k: how many best ids a row keeps at most (top_p alone: every id), 0 if it does not cut
-    least = min_p.log()[:, None]  # min-p's least scaled value: a log-probability over the best's
+    least = min_p.log().float()[:, None]  # min-p's least scaled value, in the candidates' float32
     if uncut:  # every id, in id order
         drawn = invert_cdf(scale(logits.float(), temperature), least, u)[:, 0]
         tokens = drawn.where(sampled & ~cuts, tokens)
