@@ -177,7 +177,8 @@ class Logprobs:
         compiled = self.compile != "off" and logits.device.type == "cpu"  # no GPU has run it compiled yet
         if asking:
             widths = [samplers[j].sequence.request.params.logprobs for j in asking]
-            asked = entries(logits[asking], tokens[asking], widths, compiled)
+            picked = slice(None) if len(asking) == len(samplers) else asking  # every row: no copy of the logits
+            asked = entries(logits[picked], tokens[picked], widths, compiled)
             self.entries = {samplers[j]: entry for j, entry in zip(asking, asked)}
         if self.spans:  # each scores the prompt's token after its position
             targets = np.concatenate([r.prompt_logprobs.prompt[scored] for r, scored in self.spans])
