@@ -107,8 +107,7 @@ class Engine:
     def check_extensions(self, r, p):
         """Refuse what p asks of an extension: n samples and beams (ext/forks.py), logprobs (ext/logprobs.py).
         Each extension checks its own settings, then calls this with them at their defaults."""
-        asked = (p.n, p.num_beams, p.logprobs, p.prompt_logprobs)
-        if asked != (1, 1, None, None):
+        if (p.n, p.num_beams, p.logprobs, p.prompt_logprobs) != (1, 1, None, None):
             why = f"n {p.n}, num_beams {p.num_beams}, logprobs {p.logprobs}, prompt_logprobs {p.prompt_logprobs}"
             raise ValueError(f"{why}: this engine lacks the extension (n, num_beams: ext/forks.py; ext/logprobs.py)")
 
@@ -163,8 +162,7 @@ class Engine:
 
     def sample(self, logits, batch, samplers):
         """A token for every sampler, drawn on the device from its row's settings: (S,), left on the device."""
-        params = [s.request.params for s, _, _ in samplers]
-        best = [p.best(self.vocab_size) for p in params if p.temperature > 0]  # of the sampled rows
+        best = [s.request.params.best(self.vocab_size) for s, *_ in samplers if s.request.params.temperature > 0]
         return sample(logits, self.settings[batch.sample_rows], batch.sample_pos, max(best, default=0), 0 in best)
 
     def append_tokens(self, samplers, tokens):

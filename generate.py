@@ -272,6 +272,8 @@ def main(argv=None):
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.device.split(":")[0] not in ("cpu", "cuda"):
+        fail(f"--device {args.device}: this engine runs on cpu or cuda")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         fail(f"--device {args.device} asked for, but this torch sees no CUDA GPU")
     if args.export_hf:

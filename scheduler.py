@@ -22,10 +22,8 @@ class PagedEngine(Engine):
     def __init__(self, model, *, num_blocks, block_size=16, token_budget=512, prefix_cache=True, compile="auto", **kw):
         max_batch = kw.pop("max_batch", 64)
         if min(block_size, token_budget, num_blocks, max_batch) < 1 or compile not in self.compile_modes:
-            why = (
-                f"block_size {block_size}, token_budget {token_budget}, num_blocks {num_blocks}, max_batch {max_batch}"
-            )
-            raise ValueError(f"{why} must be >= 1, compile {compile!r} one of {self.compile_modes}")
+            why = f"block_size {block_size}, token_budget {token_budget}, num_blocks {num_blocks}"
+            raise ValueError(f"{why}, max_batch {max_batch} must be >= 1, compile {compile!r} in {self.compile_modes}")
         # no more sequences than a step's tokens, so that every decoding sequence fits in a step
         super().__init__(model, max_batch=min(max_batch, token_budget), **kw)  # and vocab_size
         self.block_size = block_size

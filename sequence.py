@@ -27,10 +27,9 @@ class SamplingParams:
     prompt_logprobs_from: int = 1
 
     def best(self, vocab_size):
-        """How many of the best ids hold those that top_k and top_p keep: top_k, every id for top_p alone, and 0
-        when neither cuts (a top_k of vocab_size or more keeps every id)."""
-        top_k = self.top_k if (self.top_k or vocab_size) < vocab_size else 0
-        return top_k or vocab_size * (self.top_p < 1)
+        """How many of the best ids hold those that top_k keeps (and top_p with it): top_k, or 0 when it keeps
+        every id (a top_k of None, or of vocab_size or more)."""
+        return self.top_k if (self.top_k or vocab_size) < vocab_size else 0
 
 
 class RequestStatus(Enum):

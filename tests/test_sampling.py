@@ -119,19 +119,20 @@ def test_each_requests_own_temperature_top_k_and_seed_draw_what_the_recomputing_
 
 def kept_ids(logits, temperature, top_k, top_p, min_p):
     """The ids sample() may draw for one row (1, V) with these settings, read from the functions it draws
-    with: every id for a row that does not cut, else its candidates at or above the least value kept."""
+    with: every id for a row that does not cut, else its candidates at or above the least value kept (top-p alone
+    cuts every id's value, sorted)."""
     from sampling import cut_value, scale
 
     V = logits.shape[1]
     best = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p).best(V)
     t = torch.tensor([[temperature]], dtype=torch.float32)
     least = torch.tensor([[min_p]], dtype=torch.float64).log()
-    if not best:
+    if not best and top_p == 1:
         x = scale(logits.float(), t)
         return set(torch.nonzero(x[0] >= least[0, 0]).flatten().tolist())
     values, ids = logits.float().topk(V)  # every candidate: this helper reads the set, not sample()'s speed
     x = scale(values, t)
-    least = torch.maximum(least, cut_value(x, torch.tensor([best]), torch.tensor([top_p], dtype=torch.float64)))
+    least = cut_value(x, torch.tensor([best]), torch.tensor([top_p], dtype=torch.float64), least.float())
     return set(ids[0][x[0] >= least[0, 0]].tolist())
 
 
@@ -181,8 +182,9 @@ def test_top_k_top_p_and_min_p_keep_hugging_faces_ids_on_random_logits_with_ties
 
 def test_the_draw_is_the_inverse_cdf_of_the_kept_distribution_at_our_uniform():
     """A row with top-k, top-p and min-p draws the kept candidate, in order best first, whose CDF of the kept
-    probabilities at its temperature first passes uniform(seed, position); top_p alone too, on peaked logits and
-    on nearly flat ones, where it keeps most of the vocabulary."""
+    probabilities at its temperature first passes uniform(seed, position); a row without top-k (top_p alone, with
+    min_p or not) the same in id order, on peaked logits and on nearly flat ones, where it keeps most of the
+    vocabulary."""
     rng = random.Random(8)
     most = 0
     for _ in range(200):
@@ -193,9 +195,10 @@ def test_the_draw_is_the_inverse_cdf_of_the_kept_distribution_at_our_uniform():
         seed, position = rng.randrange(1000), rng.randrange(200)
         best = SamplingParams(temperature=1, top_k=top_k, top_p=top_p).best(V)
         settings = rows(temperature, best, seed, top_p, min_p)
-        token = int(sample(logits, settings, torch.tensor([position]), best, False))
+        token = int(sample(logits, settings, torch.tensor([position]), best, not best))
         kept = kept_ids(logits, temperature, top_k, top_p, min_p)
-        order = [i for i in logits[0].float().topk(V).indices.tolist() if i in kept]
+        ranked = logits[0].float().topk(V).indices.tolist() if best else range(V)
+        order = [i for i in ranked if i in kept]
         p = torch.tensor([float(logits[0, i]) for i in order], dtype=torch.float32)
         cdf = ((p - p.max()) / temperature).softmax(-1).cumsum(-1)
         u = float(uniform(torch.tensor([seed]), torch.tensor([position])))
