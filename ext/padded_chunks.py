@@ -8,13 +8,21 @@ attends each chunk alone. The CUDA extension's switch pad_chunks=True (off until
 every chunk of a step, prompts from their start too, where padding at most doubles the rows: on a GPU a step's
 prompt chunks then cost one attention call a layer instead of one each.
 
+Prompts from their start that sit side by side in a step with one length each (the windows of a text scored
+for perplexity, or a batch of equal prompts) attend together too, on a CPU: one causal call a layer over
+(count, length) rows, no padding, instead of one call each (fresh_runs; a step of eight 256-token windows at
+the shipped model's heads: 1.55 ms a layer against 1.96, the same values). On CUDA they attend one at a time
+until a GPU has measured it.
+
 Padding changes nothing a row's real tokens see: a padding query repeats its row's last token, and a row's keys
 past its own are masked (model.attend), as in the one-token call. The products run over a padded shape, so a
 token's attention equals its chunk's alone up to rounding (2.4e-7 in float32; the tests compare in float64)."""
 
 import functools
+import itertools
 
 import torch
+import torch.nn.functional as F
 
 from batch import longs
 from model import attend
@@ -34,6 +42,18 @@ def few_padding(chunks):
     return len(lengths) * max(lengths, default=0) <= 2 * sum(lengths)
 
 
+def fresh_runs(chunks, skip):
+    """Runs of at least two chunks side by side, none of them in skip, each a prompt from its start (no cached
+    K/V) and all of one length: [(the run's first chunk, its chunks, their length)]."""
+
+    def length(i):  # None: the chunk attends on its own
+        c = chunks[i]
+        return c.end - c.start if c.num_cached == 0 and i not in skip else None
+
+    runs = [(n, list(run)) for n, run in itertools.groupby(range(len(chunks)), length)]
+    return [(run[0], len(run), n) for n, run in runs if n is not None and len(run) > 1]
+
+
 class PaddedChunks:
     """A mixin of the engine's batch class: the step's chunks of at most SHORT new tokens after cached K/V attend
     in one call; the others, prompts from their start and long chunks, one at a time. On the device, besides the
@@ -48,6 +68,7 @@ class PaddedChunks:
         super().__init__(plan, samplers, *args)
         every = self.every_chunk and few_padding(self.chunks)
         self.padded = [i for i, chunk in enumerate(self.chunks) if every or is_short(chunk)]
+        self.runs = [] if self.k_pool.is_cuda else fresh_runs(self.chunks, set(self.padded))
         if not self.padded:
             return
         chunks = [self.chunks[i] for i in self.padded]
@@ -67,18 +88,28 @@ class PaddedChunks:
         self.padded_table = self.table[entries, :num_blocks]
 
     def attend_chunks(self, layer, q, k, v):
-        """The padded chunks in one call, the others one at a time: each chunk's (n, H, D), in the chunks' order."""
-        if not self.padded:
+        """The padded chunks in one call, each run of fresh chunks in one, the others one at a time: each chunk's
+        (n, H, D), in the chunks' order."""
+        if not (self.padded or self.runs):
             return super().attend_chunks(layer, q, k, v)
+        done = self.attend_padded(layer, q) if self.padded else {}
+        for first, count, length in self.runs:
+            a = self.chunks[first].start
+            rows = (t[a : a + count * length].unflatten(0, (count, length)).transpose(1, 2) for t in (q, k, v))
+            y = F.scaled_dot_product_attention(*rows, is_causal=True).transpose(1, 2)  # (count, length, H, D)
+            done.update(zip(range(first, first + count), y))
+        for i, chunk in enumerate(self.chunks):
+            if i not in done:
+                done[i] = self.attend_chunk(layer, chunk, q, k, v)
+        return [done[i] for i in range(len(self.chunks))]
+
+    def attend_padded(self, layer, q):
+        """The padded chunks in one call -> {chunk index: its (n, H, D)}."""
         keys = gather_kv(self.k_pool[layer], self.padded_table)  # (R, L, H, D)
         values = gather_kv(self.v_pool[layer], self.padded_table)
         y = attend(q[self.padded_index], keys, values, self.padded_pos)  # (R, Q, H, D)
         y = y.flatten(0, 1).index_select(0, self.padded_real)  # (n, H, D): the real tokens
-        padded = dict(zip(self.padded, y.split(self.lengths)))
-        for i, chunk in enumerate(self.chunks):
-            if i not in padded:
-                padded[i] = self.attend_chunk(layer, chunk, q, k, v)
-        return [padded[i] for i in range(len(self.chunks))]
+        return dict(zip(self.padded, y.split(self.lengths)))
 
 
 @functools.cache

@@ -16,7 +16,7 @@ from batch import Chunk
 from engine import PlanEntry, Sampler
 from ext import ServingEngine, engine_class
 from ext.cuda import StagedBatch
-from ext.padded_chunks import SHORT, PaddedChunks, few_padding, padded_batch_class
+from ext.padded_chunks import SHORT, PaddedChunks, few_padding, fresh_runs, padded_batch_class
 from paged import blocks_for
 from scheduler import PagedEngine
 from sequence import Request, SamplingParams
@@ -88,6 +88,44 @@ def test_padded_chunks_give_the_models_own_logprobs(model):
     for r in requests:
         check_request(model, r)
     assert engine.padded_steps > 0 and engine.meter.cached_tokens > 0
+
+
+def test_fresh_runs_group_side_by_side_prompts_of_one_length_from_their_start():
+    def chunk(start, length, num_cached=0):
+        return Chunk(0, start, start + length, num_cached)
+
+    chunks = [chunk(0, 8), chunk(8, 8), chunk(16, 8), chunk(24, 5), chunk(29, 8, 3), chunk(37, 8), chunk(45, 8)]
+    assert fresh_runs(chunks, skip=set()) == [(0, 3, 8), (5, 2, 8)]  # a cached chunk parts the 8s
+    assert fresh_runs(chunks, skip={1}) == [(5, 2, 8)]  # a padded chunk attends with the padded ones
+    assert fresh_runs(chunks[3:5], skip=set()) == []
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 16])
+def test_fresh_runs_give_the_models_own_logprobs_and_the_cores_tokens(model, block_size):
+    """Windows of one length scored from their second token, as loglikelihood_rolling asks, several a step: each
+    run of them attends in one call, and every prompt logprob equals log_softmax of one full forward (float64);
+    sampled tokens equal the bare core's, which attends each prompt alone."""
+    rng = random.Random(block_size)
+    prompts = [[rng.randrange(300) for _ in range(24)] for _ in range(9)] + [[5, 6, 7]] * 2
+
+    class CountRuns:
+        def make_batch(self, plan, samplers):
+            batch = super().make_batch(plan, samplers)
+            self.in_runs = getattr(self, "in_runs", 0) + sum(count for _, count, _ in batch.runs)
+            return batch
+
+    scoring = type("Scoring", (CountRuns, engine_class(logprobs=True)), {})
+    engine = scoring(model, num_blocks=300, block_size=block_size, token_budget=100)
+    requests = [
+        Request(p, 4, SamplingParams(temperature=1.0, seed=i, prompt_logprobs=2)) for i, p in enumerate(prompts)
+    ]
+    run_engine(engine, requests)
+    for r in requests:
+        check_request(model, r)
+    plain = PagedEngine(model, num_blocks=300, block_size=block_size, token_budget=100)
+    want = run_engine(plain, [Request(p, 4, SamplingParams(temperature=1.0, seed=i)) for i, p in enumerate(prompts)])
+    assert [r.generated for r in requests] == want
+    assert engine.in_runs >= 6
 
 
 def test_padded_batch_class_is_composed_once(model):
