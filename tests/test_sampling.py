@@ -224,3 +224,24 @@ def test_top_p_and_min_p_draw_the_same_alone_and_in_a_batch(model, top_p, min_p)
         alone = run_engine(ServingEngine(model, num_blocks=40, block_size=4, max_batch=1), [make()[i]])
         assert together[i] == alone[0]
     assert together != baseline(model, prompts, news)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sample_draws_on_cuda_what_it_draws_on_the_cpu():
+    """Every path of sample() on a CUDA GPU, where top-p alone sorts with torch: greedy, top-k, top-p alone,
+    min-p, top-k with top-p, and rows of each in one call, draw the tokens the CPU draws (logits in float64;
+    the draw is float32 on both, so the two differ only where a uniform falls within rounding of a CDF's step)."""
+    torch.manual_seed(0)
+    R, V = 60, 300
+    logits = torch.randn(R, V, dtype=torch.float64) * 3
+    kinds = [(0.0, 0, 1.0, 0.0), (1.0, 20, 1.0, 0.0), (1.0, 0, 0.8, 0.0), (1.0, 0, 1.0, 0.05), (0.7, 20, 0.9, 0.0)]
+    for chosen in [range(len(kinds))] + [[i] for i in range(len(kinds))]:
+        settings = [kinds[chosen[j % len(chosen)]] for j in range(R)]
+        best = [k for t, k, _, _ in settings if t > 0]
+        temperature, top_k, top_p, min_p = zip(*settings)
+        table = rows(temperature, top_k, range(R), top_p, min_p)
+        position = torch.arange(R) + 7
+        args = (max(best, default=0), 0 in best)
+        on_cpu = sample(logits, table, position, *args)
+        on_gpu = sample(logits.cuda(), table.cuda(), position.cuda(), *args).cpu()
+        assert torch.equal(on_cpu, on_gpu), chosen
