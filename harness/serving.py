@@ -16,6 +16,7 @@ from ext import engine_class
 from harness.checkpoints import shakespeare
 from harness.contiguous import ContiguousEngine
 from harness.metrics import Meter, metrics
+from harness.tuning import freeze_heap
 from paged import blocks_for
 from scheduler import PagedEngine
 from sequence import Request, SamplingParams
@@ -127,18 +128,18 @@ def warm_up(engine, num_sequences):
     seconds: its decode attention, and with --compile step its small steps' graph. The first compile on a
     machine takes ~20 s on a CPU (~60 s for step, ~35 s cached), and inductor's on-disk cache (under
     /tmp/torchinductor_$USER) brings later ones of decode attention to a few seconds. It serves tiny prompts
-    through `engine`, which is then spent: time a fresh one."""
-    if not isinstance(engine, PagedEngine) or engine.compile == "off":
-        return
+    through `engine`, which is then spent: time a fresh one. Then the heap is frozen (harness.tuning.freeze_heap)."""
     runs = []
-    if engine.compile == "step":  # a step of a two-token prompt, then one of its decode: the small steps' graph
-        runs.append(("small steps, the whole forward", [Request([0, 0], 2)]))
-    if min(engine.max_batch, num_sequences) >= engine.compile_from:  # one step of one-token rows
-        runs.append(("decode attention", [Request([0], 1) for _ in range(max(2, engine.compile_from))]))
+    if isinstance(engine, PagedEngine) and engine.compile != "off":
+        if engine.compile == "step":  # a step of a two-token prompt, then one of its decode: the small steps' graph
+            runs.append(("small steps, the whole forward", [Request([0, 0], 2)]))
+        if min(engine.max_batch, num_sequences) >= engine.compile_from:  # one step of one-token rows
+            runs.append(("decode attention", [Request([0], 1) for _ in range(max(2, engine.compile_from))]))
     for name, requests in runs:
         what = f"compiling {name} (torch.compile, {engine.device.type}, {engine.kv_pool[0].dtype})"
         with counting_seconds(what):
             engine.run(requests)
+    freeze_heap()  # what start-up made, the compilers' graphs too, is never walked by the collector again
 
 
 @contextlib.contextmanager
