@@ -56,7 +56,7 @@ def cut_value(x, top_k, top_p, least):
     mass = p.cumsum(-1)  # up to each candidate, itself included
     # the last kept: the mass before it (which never falls, as p never rises) below top_p of the whole
     last_kept = x.gather(1, torch.searchsorted(mass - p, top_p[:, None] * mass[:, -1:]) - 1)
-    # a top_p of 1 keeps every candidate, whatever the rounding of `before`
+    # a top_p of 1 keeps every candidate, whatever the rounding of the mass
     return kth.maximum(least).maximum(last_kept.masked_fill(top_p[:, None] == 1, float("-inf")))
 
 
