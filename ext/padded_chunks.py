@@ -56,8 +56,8 @@ def fresh_runs(chunks, skip):
 
 class PaddedChunks:
     """A mixin of the engine's batch class: the step's chunks of at most SHORT new tokens after cached K/V attend
-    in one call; the others, prompts from their start and long chunks, one at a time. On the device, besides the
-    batch's:
+    in one call; on a CPU, each run of prompts from their start side by side and of one length in one more (runs:
+    fresh_runs'); the others, long chunks and lone prompts, one at a time. On the device, besides the batch's:
         padded_index: (R, Q) each padded chunk's tokens in the step's, its last repeated as padding;
         padded_pos: (R, Q) their positions; padded_table: (R, W) the chunks' blocks;
         padded_real: the real tokens' places in the flattened (R * Q) rows."""
