@@ -93,6 +93,7 @@ def test_cli_bad_checkpoint_and_empty_prompts_file(tmp_path, ckpt):
         (["--paged", "--token-budget", "0"], "--token-budget: 0 is below 1"),
         (["--paged", "--num-blocks", "1", "--block-size", "4", "--max-new-tokens", "20"], "but the pool has only 1"),
         (["--prompts", "/no/such/file"], "cannot read --prompts file"),
+        (["--device", "mps"], "--device mps: this engine runs on cpu or cuda"),
         pytest.param(
             ["--device", "cuda"],
             "sees no CUDA GPU",
