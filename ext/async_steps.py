@@ -2,8 +2,8 @@
 the GPU path (CUDA with compile="graph"), where a GPU measured it. A step's sampled tokens stay on the device
 while the next step is planned, built and launched; only then does the host wait for them. On a GPU the host's
 work for step n + 1 (plan, batch, staging, launch) and its bookkeeping of step n then run while the device runs,
-so that a step costs the larger of the two instead of their sum. On a CPU nothing overlaps (the forward runs on the calling thread), but the tokens are the
-engine's own, which tests/test_decode_graphs.py checks.
+so that a step costs the larger of the two instead of their sum. On a CPU nothing overlaps (the forward runs on
+the calling thread), but the tokens are the engine's own, which tests/test_decode_graphs.py checks.
 
 How a token that is not on the host yet is used:
 - each sampler's sequence gets a placeholder token, -1 - j for sampler j, at once; the next step's batch

@@ -116,7 +116,9 @@ class PaddedChunks:
 def padded_batch_class(batch_class, every_chunk=False):
     """The engine's batch class (PagedBatch, or on CUDA one-copy staging's) with padded chunks, once; every_chunk:
     every chunk of a step padded, where few_padding."""
-    if issubclass(batch_class, PaddedChunks):
+    padded = issubclass(batch_class, PaddedChunks)
+    if padded and (batch_class.every_chunk or not every_chunk):  # padded before, as widely
         return batch_class
     name = ("PaddedEvery" if every_chunk else "Padded") + batch_class.__name__
-    return type(name, (PaddedChunks, batch_class), {"every_chunk": every_chunk})
+    bases = (batch_class,) if padded else (PaddedChunks, batch_class)  # padded before, short chunks only: widened
+    return type(name, bases, {"every_chunk": every_chunk})

@@ -133,6 +133,10 @@ def test_padded_batch_class_is_composed_once(model):
     engine = engine_class(logprobs=True, speculative=True)(model, num_blocks=8)
     assert engine.batch_class.__mro__.count(PaddedChunks) == 1
     assert padded_batch_class(engine.batch_class) is engine.batch_class
+    # asked for every chunk after short ones only (or before), in either order: every chunk, the mixin once
+    for every in (padded_batch_class(engine.batch_class, every_chunk=True), padded_batch_class(StagedBatch, True)):
+        assert every.every_chunk and every.__mro__.count(PaddedChunks) == 1
+        assert padded_batch_class(every) is every
 
 
 def test_padded_chunks_stage_on_the_gpus_one_copy_path():
