@@ -73,7 +73,7 @@ class StepBatch:
         self.store(layer, k, v)
         out = [self.attend_one_token(layer, q[: self.num_one_token])] if self.num_one_token else []
         out += self.attend_chunks(layer, q, k, v)
-        return torch.cat(out)
+        return out[0] if len(out) == 1 else torch.cat(out)  # one piece: no copy
 
     def attend_chunks(self, layer, q, k, v):  # each chunk alone (speculation verifies its together: ext/speculative.py)
         return [self.attend_chunk(layer, chunk, q, k, v) for chunk in self.chunks]

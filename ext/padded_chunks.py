@@ -88,20 +88,22 @@ class PaddedChunks:
         self.padded_table = self.table[entries, :num_blocks]
 
     def attend_chunks(self, layer, q, k, v):
-        """The padded chunks in one call, each run of fresh chunks in one, the others one at a time: each chunk's
-        (n, H, D), in the chunks' order."""
+        """The padded chunks in one call, each run of fresh chunks in one, the others one at a time: the chunks'
+        outputs in order, in pieces: each chunk's (n, H, D), or a run's together."""
         if not (self.padded or self.runs):
             return super().attend_chunks(layer, q, k, v)
-        done = self.attend_padded(layer, q) if self.padded else {}
+        pieces = self.attend_padded(layer, q) if self.padded else {}  # first chunk index -> its output
+        covered = set(pieces)
         for first, count, length in self.runs:
             a = self.chunks[first].start
             rows = (t[a : a + count * length].unflatten(0, (count, length)).transpose(1, 2) for t in (q, k, v))
             y = F.scaled_dot_product_attention(*rows, is_causal=True).transpose(1, 2)  # (count, length, H, D)
-            done.update(zip(range(first, first + count), y))
+            pieces[first] = y.flatten(0, 1)  # one piece, a view: CPU SDPA writes (count, length, H, D) in place
+            covered.update(range(first, first + count))
         for i, chunk in enumerate(self.chunks):
-            if i not in done:
-                done[i] = self.attend_chunk(layer, chunk, q, k, v)
-        return [done[i] for i in range(len(self.chunks))]
+            if i not in covered:
+                pieces[i] = self.attend_chunk(layer, chunk, q, k, v)
+        return [pieces[i] for i in sorted(pieces)]
 
     def attend_padded(self, layer, q):
         """The padded chunks in one call -> {chunk index: its (n, H, D)}."""
