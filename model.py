@@ -107,4 +107,4 @@ class GPT(nn.Module):
         logits = self.lm_head(x)
         if targets is None:
             return logits, None
-        return logits, F.cross_entropy(logits.flatten(0, -2), targets.reshape(-1), ignore_index=-1)
+        return logits, F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=-1)

@@ -82,12 +82,13 @@ def sample(logits, settings, position, num_best, uncut):
     if not (uncut or num_best):  # every row greedy
         return tokens
     V = logits.size(1)
-    temperature, top_k, top_p, min_p, seed = settings.T
+    # in the candidates' float32, so that no op over them widens to float64; the seed's 32 bits from the float64
+    temperature, top_k, top_p, min_p, _ = settings.float().T
     sampled = temperature > 0
-    temperature = temperature.where(sampled, 1.0).float()[:, None]
-    u = uniform(seed.long(), position)
+    temperature = temperature.where(sampled, 1.0)[:, None]
+    u = uniform(settings[:, 4].long(), position)
     cuts = top_k > 0  # top_k: how many best ids a row keeps at most, 0 if it keeps every id
-    least = min_p.log().float()[:, None]  # min-p's least scaled value, in the candidates' float32
+    least = min_p.log()[:, None]  # min-p's least scaled value
     if num_best:  # (R, K): the K best, sorted, so a row's cuts keep a prefix, and one more
         K = min(num_best + 1, V)
         values, ids = logits.float().topk(K)
