@@ -4,6 +4,7 @@
     .vllm/bin/pip uninstall -y torchvision torchaudio torchcodec   # they break transformers' imports
     apt-get install libtcmalloc-minimal4                            # for the "preloaded" setup
     python bench/vllm_compare.py --vllm-python .vllm/bin/python [--dtype bfloat16] [--workloads gpt2/decode,...]
+                                 [--our-setups tcmalloc]
 
 Each model shape gets random weights (seed 0, GPT-2's 50,257-id vocabulary, 1,024 positions), exported
 once with export_hf to out/vllm_compare/<shape>; both engines load that folder. Prompts are cut from
@@ -23,7 +24,8 @@ setup; the table gives medians (min-max) over the repeats, and compares ours aga
 Peak KV blocks: the most blocks of 16 tokens our pool held at once (vLLM does not report its own).
 vLLM setups: both cores bound to its worker (VLLM_CPU_OMP_THREADS_BIND=0-1; its default keeps one
 core for its front end); "preloaded" adds LD_PRELOAD of tcmalloc and the venv's libiomp5.so, as
-vLLM's CPU documentation asks.
+vLLM's CPU documentation asks. Ours runs as generate.py runs it, and with --our-setups tcmalloc also with
+tcmalloc preloaded ("ours tcmalloc"), the one step a user takes for it (docs/vllm.md#the-allocator).
 """
 
 import argparse
@@ -188,6 +190,16 @@ def setups(vllm_python, names):
     return {name: env for name, env in out.items() if name.split()[1] in names}
 
 
+def our_setups(names):
+    """Ours as generate.py runs it ("ours"), and with tcmalloc preloaded ("ours tcmalloc", docs/vllm.md#the-allocator)
+    where it is installed."""
+    tcmalloc = glob.glob("/usr/lib/*/libtcmalloc_minimal.so.4")
+    out = {"ours": {}}
+    if tcmalloc:
+        out["ours tcmalloc"] = dict(LD_PRELOAD=tcmalloc[0])
+    return {name: env for name, env in out.items() if name == "ours" or name.split()[1] in names}
+
+
 def cpu_line():
     """The CPU's model name and the bf16 features it has: bf16 GEMMs run natively only with one of them."""
     with open("/proc/cpuinfo") as f:
@@ -232,6 +244,9 @@ def main():
     p.add_argument("--workloads", default=",".join(RUNS), help="comma-separated SHAPE/WORKLOAD names, e.g. gpt2/beams4")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="both engines run this dtype")
     p.add_argument("--setups", default="plain,preloaded", help="the vLLM setups to run: plain, preloaded or both")
+    p.add_argument(
+        "--our-setups", default="", help="ours runs plain, and with tcmalloc preloaded if this says tcmalloc"
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--worker-job", help=argparse.SUPPRESS)
@@ -239,17 +254,18 @@ def main():
     if args.worker:
         return worker(args)
     envs = setups(args.vllm_python, args.setups.split(","))
+    ours_envs = our_setups(args.our_setups.split(","))
     print(
         f"$ python bench/vllm_compare.py --dtype {args.dtype} --workloads {args.workloads} --setups {args.setups} "
-        f"--repeats {args.repeats}"
+        f"--repeats {args.repeats}" + (f" --our-setups {args.our_setups}" if args.our_setups else "")
     )
     bandwidth, threads = read_bandwidth()
     print(f"{cpu_line()}; {time.strftime('%Y-%m-%d')}; vLLM setups: {', '.join(envs)}")
     print(f"read bandwidth: {bandwidth:.1f} GB/s (a float32 sum over 256 MB, {threads} threads, median of 7)")
     print(f"dtype {args.dtype} in both engines, explicitly (vLLM's default on an x86 CPU is bfloat16)")
     print(
-        "allocators: ours keeps freed memory in the process (mallopt, by harness/tuning.py's prepare; no preload); "
-        "vllm preloaded: "
+        "allocators: ours keeps freed memory in the process (mallopt, by harness/tuning.py's prepare; no preload), "
+        "ours tcmalloc: tcmalloc preloaded; vllm preloaded: "
         "tcmalloc and the venv's libiomp5.so, as vLLM's CPU docs ask; vllm plain: neither",
         flush=True,
     )
@@ -263,9 +279,9 @@ def main():
             json.dump(job, f)
         speeds, outputs, versions, threads, peaks = {}, {}, {}, None, []
         for _ in range(args.repeats):
-            for engine, env in [("ours", {})] + list(envs.items()):
-                python = sys.executable if engine == "ours" else args.vllm_python
-                result = launch(python, "ours" if engine == "ours" else "vllm", job_file, env)
+            for engine, env in list(ours_envs.items()) + list(envs.items()):
+                kind = "ours" if engine in ours_envs else "vllm"
+                result = launch(sys.executable if kind == "ours" else args.vllm_python, kind, job_file, env)
                 counted = sum(len(seq) for out in result["outputs"] for seq in out)  # best beams, or every sample
                 speeds.setdefault(engine, []).append(counted / result["seconds"])
                 outputs.setdefault(engine, result["outputs"])
@@ -273,7 +289,6 @@ def main():
                 threads = result.get("threads", threads)
                 peaks += [result["peak_blocks"]] if "peak_blocks" in result else []
         best = max(envs, key=lambda e: statistics.median(speeds[e]))
-        ratio = statistics.median(speeds["ours"]) / statistics.median(speeds[best])
         what = f"beam search k={beams}" if beams > 1 else f"{samples} samples each" if samples > 1 else "greedy"
         print(
             f"--- {name} ({args.dtype}): {n} prompts of {lo}-{hi} tokens, {new} new, {what}; output tok/s, median "
@@ -288,7 +303,9 @@ def main():
             same = sum(a[0] == b[0] for a, b in zip(outputs["ours"], outputs[best]))
             same = f"equal {'best beams' if beams > 1 else 'greedy outputs'} {same}/{n}"
         peak = f"; ours' peak KV blocks {max(peaks)}" if beams > 1 or samples > 1 else ""
-        print(f"  ours / {best}: {ratio:.2f}x; {same}{peak}", flush=True)
+        for ours in ours_envs:
+            ratio = statistics.median(speeds[ours]) / statistics.median(speeds[best])
+            print(f"  {ours} / {best}: {ratio:.2f}x; {same}{peak}", flush=True)
 
 
 if __name__ == "__main__":

@@ -78,8 +78,10 @@ def shell_commands(line):
 
 
 def commands_of(line):
-    """Each `python ARGS` command of a shell line, as its words."""
-    return [c for c in shell_commands(line) if os.path.basename(c[0]).startswith("python")]
+    """Each `python ARGS` command of a shell line, as its words, after any `NAME=value` the shell would put in its
+    environment (`LD_PRELOAD=... python generate.py`)."""
+    commands = [list(itertools.dropwhile(lambda w: re.fullmatch(r"\w+=\S*", w), c)) for c in shell_commands(line)]
+    return [c for c in commands if c and os.path.basename(c[0]).startswith("python")]
 
 
 def readme_commands(text, inline=False):
