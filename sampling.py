@@ -82,11 +82,11 @@ def sample(logits, settings, position, num_best, uncut):
     if not (uncut or num_best):  # every row greedy
         return tokens
     V = logits.size(1)
-    # in the candidates' float32, so that no op over them widens to float64; the seed's 32 bits from the float64
+    # the settings in the candidates' float32, so that no op over a row widens it to float64 (the seed: below)
     temperature, top_k, top_p, min_p, _ = settings.float().T
     sampled = temperature > 0
     temperature = temperature.where(sampled, 1.0)[:, None]
-    u = uniform(settings[:, 4].long(), position)
+    u = uniform(settings[:, 4].long(), position)  # the seed's 32 bits, exact in the float64 settings
     cuts = top_k > 0  # top_k: how many best ids a row keeps at most, 0 if it keeps every id
     least = min_p.log()[:, None]  # min-p's least scaled value
     if num_best:  # (R, K): the K best, sorted, so a row's cuts keep a prefix, and one more

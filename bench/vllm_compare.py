@@ -296,14 +296,14 @@ def main():
         )
         for engine, xs in speeds.items():
             print(f"  {engine:<16} {fmt(xs)}")
-        if samples > 1:  # draws differ between engines' generators: count them instead
-            counts = [sum(len(seq) for out in outputs[e] for seq in out) for e in ("ours", best)]
-            same = f"sample tokens counted {counts[0]} (ours), {counts[1]} ({best})"
-        else:
-            same = sum(a[0] == b[0] for a, b in zip(outputs["ours"], outputs[best]))
-            same = f"equal {'best beams' if beams > 1 else 'greedy outputs'} {same}/{n}"
         peak = f"; ours' peak KV blocks {max(peaks)}" if beams > 1 or samples > 1 else ""
         for ours in ours_envs:
+            if samples > 1:  # draws differ between engines' generators: count them instead
+                counts = [sum(len(seq) for out in outputs[e] for seq in out) for e in (ours, best)]
+                same = f"sample tokens counted {counts[0]} ({ours}), {counts[1]} ({best})"
+            else:
+                same = sum(a[0] == b[0] for a, b in zip(outputs[ours], outputs[best]))
+                same = f"equal {'best beams' if beams > 1 else 'greedy outputs'} {same}/{n}"
             ratio = statistics.median(speeds[ours]) / statistics.median(speeds[best])
             print(f"  {ours} / {best}: {ratio:.2f}x; {same}{peak}", flush=True)
 
