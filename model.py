@@ -52,11 +52,11 @@ class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU("none" if config.gelu == "exact" else config.gelu)  # its names for erf and tanh
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
-        self.gelu = "none" if config.gelu == "exact" else config.gelu  # F.gelu's names for erf and tanh
 
     def forward(self, x):
-        x = F.gelu(self.c_fc(x), approximate=self.gelu)
+        x = self.gelu(self.c_fc(x))
         return self.c_proj(x)
 
 

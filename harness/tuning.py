@@ -1,6 +1,7 @@
 """What makes the engine fast on a CPU and changes things outside it: oneDNN's prepacked weights in the model's
-linears, and the process's allocator and attention settings. prepare(model) does both; the command line and
-example.py call it, and a script that builds its own model calls it too."""
+linears, PyTorch's own GELU kernel on small inputs, and the process's allocator and attention settings.
+prepare(model) does all; the command line and example.py call it, and a script that builds its own model calls
+it too."""
 
 import ctypes
 import gc
@@ -65,6 +66,34 @@ def prepack(model):
             m.pack(dtype or m.weight.dtype)
 
 
+SMALL_GELU = 1 << 14  # elements: below, PyTorch's own CPU GELU kernel beats oneDNN's
+
+
+class SmallGELU(nn.GELU):
+    """nn.GELU that runs PyTorch's own CPU kernel on inputs below SMALL_GELU elements. PyTorch hands a contiguous
+    float32 or bf16 CPU GELU to oneDNN, whose call costs ~8 us: 8x the own kernel's time on a decode row of the
+    shipped model (1 x 512 values), 6-8% of a batch-1 step; from ~2**16 elements oneDNN's kernel is the faster,
+    1.4-1.8x from 2**17 (docs/vllm.md#gelu-on-small-steps). The two round differently, within 1.2e-6."""
+
+    def forward(self, x):
+        if x.numel() >= SMALL_GELU or x.device.type != "cpu" or torch.compiler.is_compiling():
+            return super().forward(x)
+        enabled = torch._C._get_mkldnn_enabled()
+        torch._C._set_mkldnn_enabled(False)  # the switch F.gelu reads to choose oneDNN
+        try:
+            return super().forward(x)
+        finally:
+            torch._C._set_mkldnn_enabled(enabled)
+
+
+def small_gelus(model):
+    """Swap each of the model's nn.GELU for a SmallGELU of the same approximation (a GELU holds nothing else)."""
+    for parent in list(model.modules()):
+        for name, m in parent.named_children():
+            if type(m) is nn.GELU:
+                setattr(parent, name, SmallGELU(m.approximate))
+
+
 def keep_freed_memory():
     """On Linux, memory a step frees stays in the process, for the next step's activations of the same sizes:
     by default glibc unmaps large blocks on free, and every step page-faults them back in (docs/vllm.md)."""
@@ -75,11 +104,12 @@ def keep_freed_memory():
 
 
 def prepare(model):
-    """Set the process up for serving `model`, and pack its CPU linears (prepack). Process-wide, so the engine
-    never does it: glibc's allocator keeps freed memory (keep_freed_memory); on a GPU, SDPA's cuDNN backend is
+    """Set the process up for serving `model`, pack its CPU linears (prepack) and give its GELUs PyTorch's own
+    kernel on small inputs (small_gelus). Process-wide, so the engine never does it: glibc's allocator keeps freed memory (keep_freed_memory); on a GPU, SDPA's cuDNN backend is
     off, as it builds a plan for each new shape and a step's shapes change every step (7x slower end to end in
     bf16 on an H200: docs/compile.md#on-a-gpu), while flash and memory-efficient attention take any shape."""
     prepack(model)
+    small_gelus(model)
     # after packing, as the engine did before prepare existed: the packed weights come from mmap, with the
     # allocator's defaults
     keep_freed_memory()

@@ -132,7 +132,7 @@ def test_to_transformers_gives_our_logits_and_greedy_tokens_in_memory(gelu):
     model = tiny_gpt(seed=4)
     model.config.gelu = gelu
     for block in model.transformer.h:
-        block.mlp.gelu = "none" if gelu == "exact" else "tanh"
+        block.mlp.gelu = torch.nn.GELU("none" if gelu == "exact" else "tanh")
     hf = to_transformers(model).double()
     x = torch.tensor([[5, 17, 42, 7, 99, 3]])
     with torch.no_grad():

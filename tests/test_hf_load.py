@@ -66,7 +66,7 @@ def test_export_then_load_gives_back_the_same_model(tmp_path, gelu):
     model = tiny_gpt(seed=4, vocab_size=50257, dtype=torch.float32)
     model.config.gelu = gelu
     for mlp in (b.mlp for b in model.transformer.h):
-        mlp.gelu = "none" if gelu == "exact" else gelu
+        mlp.gelu = torch.nn.GELU("none" if gelu == "exact" else gelu)
     export_hf(model, str(tmp_path / "hf"))
     loaded = load_checkpoint(str(tmp_path / "hf"))
     idx = torch.randint(0, 50257, (2, 25))

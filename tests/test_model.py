@@ -8,7 +8,7 @@ from conftest import make_requests, run_engine, tiny_gpt
 from engine import PlanEntry, Sampler
 from harness.checkpoints import get_tokenizer, load_checkpoint, shakespeare
 from harness.contiguous import ContiguousBatch, ContiguousEngine
-from harness.tuning import PackedLinear, prepare
+from harness.tuning import SMALL_GELU, PackedLinear, SmallGELU, prepare
 from model import GPT, GPTConfig
 from paged import PagedBatch
 from scheduler import PagedEngine
@@ -103,6 +103,35 @@ def test_prepare_packs_the_callers_big_linears_and_engines_never_serve_a_stale_p
         changed = unpacked_tokens(model)
         assert changed != want, "the change does not show in the tokens"
         assert run_engine(after, make_requests(prompts, news)) == changed
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_prepare_gives_small_gelus_torchs_own_kernel_with_gelus_values_and_leaves_the_switch_as_it_was(approximate):
+    """prepare swaps each nn.GELU for a SmallGELU of the same approximation, which turns oneDNN off around its own
+    call below SMALL_GELU values only: in float32, the bits of the kernel it should take; the values are nn.GELU's,
+    exactly in float64 (never oneDNN's) and within the two kernels' rounding in float32 and bf16; and the switch
+    is back as it was after each call, error or not."""
+    model = tiny_gpt(seed=5, dtype=torch.float32)
+    for block in model.transformer.h:
+        block.mlp.gelu = torch.nn.GELU(approximate)
+    prepare(model)
+    gelus = [m for m in model.modules() if isinstance(m, torch.nn.GELU)]
+    assert len(gelus) == len(model.transformer.h) and all(type(m) is SmallGELU for m in gelus)
+    assert all(m.approximate == approximate for m in gelus)
+    gelu, torch_gelu = gelus[0], torch.nn.GELU(approximate)
+    for rows in (1, 3, SMALL_GELU // 64 - 1, SMALL_GELU // 64, SMALL_GELU // 64 + 5):  # below the threshold and not
+        x = torch.randn(rows, 64, dtype=torch.float64) * 4
+        assert torch.equal(gelu(x), torch_gelu(x))
+        with torch.backends.mkldnn.flags(enabled=x.numel() >= SMALL_GELU):  # the kernel it should take: its bits
+            assert torch.equal(gelu(x.float()), torch_gelu(x.float()))
+        torch.testing.assert_close(gelu(x.float()), torch_gelu(x.float()), rtol=0, atol=2e-6)
+        torch.testing.assert_close(gelu(x.bfloat16()), torch_gelu(x.bfloat16()), rtol=0, atol=0.07)
+    for enabled in (True, False):
+        with torch.backends.mkldnn.flags(enabled=enabled):
+            gelu(torch.randn(2, 8))
+            with pytest.raises(NotImplementedError):
+                gelu(torch.ones(2, 8, dtype=torch.int64))  # GELU takes no integers: raised inside the call
+            assert torch.backends.mkldnn.enabled == enabled
 
 
 def save_nanogpt_ckpt(model, path, prefix=""):
