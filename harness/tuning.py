@@ -76,7 +76,8 @@ class SmallGELU(nn.GELU):
     1.4-1.8x from 2**17 (docs/vllm.md#gelu-on-small-steps). The two round differently, within 1.2e-6."""
 
     def forward(self, x):
-        if x.numel() >= SMALL_GELU or x.device.type != "cpu" or torch.compiler.is_compiling():
+        # a compiled graph takes nn.GELU as it is: asked first, so that dynamo never guards on x's size here
+        if torch.compiler.is_compiling() or x.device.type != "cpu" or x.numel() >= SMALL_GELU:
             return super().forward(x)
         enabled = torch._C._get_mkldnn_enabled()
         torch._C._set_mkldnn_enabled(False)  # the switch F.gelu reads to choose oneDNN

@@ -15,6 +15,8 @@ from test_swap import mixed_requests, outputs, storm_prompts
 
 from ext import ServingEngine
 from ext.compiled_steps import RowBatch
+from harness import tuning
+from harness.tuning import SmallGELU, prepare
 from sequence import Request
 
 
@@ -60,9 +62,14 @@ def test_compiled_verify_steps_give_plain_decodings_tokens(model, k):
         assert proposed > 0 and engine.small_steps > 10
 
 
-def test_one_graph_serves_every_small_step(model):
+def test_one_graph_serves_every_small_step(model, monkeypatch):
     """Rows, tokens per row, samplers, blocks and the pool's size all change between steps and engines; none
-    of them compiles a second graph (the sizes are padded to 2 and kept apart: see graph_settings)."""
+    of them compiles a second graph (the sizes are padded to 2 and kept apart: see graph_settings). The model
+    goes through prepare, as generate.py's does: a SmallGELU chooses its kernel by size outside a compiled graph
+    only, so that no guard on a step's size enters the graph."""
+    model = prepare(copy.deepcopy(model))
+    assert any(isinstance(m, SmallGELU) for m in model.modules())
+    monkeypatch.setattr(tuning, "SMALL_GELU", 1024)  # 8 tokens of this model's MLP: small steps fall either side
     run_engine(ServingEngine(model, num_blocks=50, block_size=4, compile="step"), [Request([1, 2], 3)])
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     prompts = repetitive_prompts(6, 3)
