@@ -72,8 +72,9 @@ SMALL_GELU = 1 << 14  # elements: below, PyTorch's own CPU GELU kernel beats one
 class SmallGELU(nn.GELU):
     """nn.GELU that runs PyTorch's own CPU kernel on inputs below SMALL_GELU elements. PyTorch hands a contiguous
     float32 or bf16 CPU GELU to oneDNN, whose call costs ~8 us: 8x the own kernel's time on a decode row of the
-    shipped model (1 x 512 values), 6-8% of a batch-1 step; from ~2**16 elements oneDNN's kernel is the faster,
-    1.4-1.8x from 2**17 (docs/vllm.md#gelu-on-small-steps). The two round differently, within 1.2e-6."""
+    shipped model (1 x 512 values); its batch-1 decoding runs 1.04x faster. From ~2**16 elements oneDNN's kernel
+    is the faster, 1.4-1.8x from 2**17 (docs/vllm.md#gelu-on-small-steps). The two round differently, within
+    1.2e-6."""
 
     def forward(self, x):
         # a compiled graph takes nn.GELU as it is: asked first, so that dynamo never guards on x's size here
@@ -106,9 +107,10 @@ def keep_freed_memory():
 
 def prepare(model):
     """Set the process up for serving `model`, pack its CPU linears (prepack) and give its GELUs PyTorch's own
-    kernel on small inputs (small_gelus). Process-wide, so the engine never does it: glibc's allocator keeps freed memory (keep_freed_memory); on a GPU, SDPA's cuDNN backend is
-    off, as it builds a plan for each new shape and a step's shapes change every step (7x slower end to end in
-    bf16 on an H200: docs/compile.md#on-a-gpu), while flash and memory-efficient attention take any shape."""
+    kernel on small inputs (small_gelus). Process-wide, so the engine never does it: glibc's allocator keeps freed
+    memory (keep_freed_memory); on a GPU, SDPA's cuDNN backend is off, as it builds a plan for each new shape and
+    a step's shapes change every step (7x slower end to end in bf16 on an H200: docs/compile.md#on-a-gpu), while
+    flash and memory-efficient attention take any shape."""
     prepack(model)
     small_gelus(model)
     # after packing, as the engine did before prepare existed: the packed weights come from mmap, with the
