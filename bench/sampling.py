@@ -8,8 +8,8 @@ GPT-2 small's 12 x 768. The workload is the one bench/floor.py samples on: 64 pr
 from the held-out plays, 128 new tokens each, all at once, one PagedEngine with its defaults. Each repeat
 runs, alternated in one process after a warm-up of each: greedy; temperature 0.8 with top-k 200 (the
 "top-k" path); top-p 0.9 alone; min-p 0.05 alone; top-k 200 with logprobs=5 on every row (the engine
-composed with ext/logprobs.py); and top-k 200 through an exact two-level selection (two_level_topk below,
-measured, not in the engine: docs/floor_and_sampling.md). Ratios are taken per repeat; sample() is timed
+composed with ext/logprobs.py, whose top ids come from an exact two-level selection, two_level_topk); and top-k
+200 with that selection in the sampler's topk's place (measured, not in the core: docs/floor_and_sampling.md). Ratios are taken per repeat; sample() is timed
 around the engine's own call, per step, median over the run. Random weights give nearly flat logits, so
 top-p 0.9 keeps most of the vocabulary here (the share is printed): the worst case for a sort. With
 --num-requests below 16 (nothing compiles), --new-tokens 16 and --repeats 1, a check that the script runs:
@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from ext import engine_class
+from ext.logprobs import two_level_topk
 from harness.checkpoints import get_tokenizer
 from harness.serving import workload
 from harness.tuning import prepare
@@ -38,19 +39,12 @@ from sequence import Request, SamplingParams
 SHAPES = {"tiny": (4, 4, 128), "gpt2": (12, 12, 768)}  # n_layer, n_head, n_embd
 
 
-def two_level_topk(x, k, *args, **kwargs):
-    """x.topk(k) for a (R, V) CPU row block, exact: group c holds columns c, c + C, c + 2C, ... (C = V // 16),
-    and the k best of a row lie in the k groups with the largest maxima (any element outside them has k
-    group maxima above it). The last V % 16 columns are candidates outright."""
-    if args or kwargs or x.dim() != 2 or x.shape[1] // 16 < k:
+def two_level_topk_method(x, k, *args, **kwargs):
+    """torch.Tensor.topk through ext/logprobs.py's exact two-level selection (two_level_topk) where it takes the
+    call: a (R, V) row block, k alone."""
+    if args or kwargs or x.dim() != 2:
         return TORCH_TOPK(x, k, *args, **kwargs)
-    R, V = x.shape
-    C = V // 16
-    best_groups = TORCH_TOPK(x[:, : 16 * C].unflatten(1, (16, C)).amax(1), k, sorted=False).indices  # (R, k)
-    cols = (best_groups[:, None] + C * torch.arange(16)[:, None]).flatten(1)  # (R, 16 k)
-    cols = torch.cat([cols, torch.arange(16 * C, V).expand(R, -1)], 1)
-    values, best = TORCH_TOPK(x.gather(1, cols), k)
-    return torch.return_types.topk((values, cols.gather(1, best)))
+    return torch.return_types.topk(two_level_topk(x, k))
 
 
 TORCH_TOPK = torch.Tensor.topk
@@ -80,7 +74,7 @@ def run(model, prompts, news, settings, engine_class, two_level=False):
         return tokens
 
     engine.sample = timed_sample  # this engine's own call, timed with its tokens' transfer to the host
-    torch.Tensor.topk = two_level_topk if two_level else TORCH_TOPK
+    torch.Tensor.topk = two_level_topk_method if two_level else TORCH_TOPK
     try:
         start = time.perf_counter()
         engine.run(requests)

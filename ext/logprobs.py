@@ -237,14 +237,31 @@ def compiled_target_scores():
     return torch.compile(target_scores, dynamic=True)
 
 
+def two_level_topk(x, k):
+    """x (R, V) -> x.topk(k)'s values and ids: the same values, and ids that hold them (of tied ids, maybe others).
+    On a CPU, for 0 < k <= V // 16, in two levels: group c holds columns c, c + C, c + 2C, ... (C = V // 16, so
+    that one vectorized pass takes every group's maximum), and a row's k best lie in the k groups with the largest
+    maxima (any column outside them has k group maxima at least as large); the last V % 16 columns are candidates
+    outright. At 64 x 50,304 and k = 5: 0.52 against 1.94 ms for topk (docs/floor_and_sampling.md)."""
+    R, V = x.shape
+    C = V // 16
+    if x.device.type != "cpu" or not 0 < k <= C:
+        return tuple(torch.topk(x, k))
+    best_groups = torch.topk(x[:, : 16 * C].unflatten(1, (16, C)).amax(1), k, sorted=False).indices  # (R, k)
+    cols = (best_groups[:, None] + C * torch.arange(16)[:, None]).flatten(1)  # (R, 16 k)
+    cols = torch.cat([cols, torch.arange(16 * C, V).expand(R, -1)], 1)
+    values, best = torch.topk(x.gather(1, cols), k)
+    return values, cols.gather(1, best)
+
+
 def scores(logits, targets, width, compiled=False):
     """logits (R, V), targets (R,) -> on the host: each target's logprob (R,) and rank (R,), and the width
     likeliest ids (R, width) and their logprobs (R, width). In the logits' dtype, float32 at least (the engine
     samples in it); compiled: through torch.compile (on a CPU, 2-4x as fast as the eager ops at 512-2,048 rows of
     2,048 ids, and never slower at 8-128)."""
     logprob, rank, log_total = (compiled_target_scores() if compiled else target_scores)(logits, targets)
-    top = logits.topk(width)
-    host = (logprob, rank, top.indices, top.values - log_total)
+    top_values, top_ids = two_level_topk(logits, width)
+    host = (logprob, rank, top_ids, top_values - log_total)
     return [t.cpu().numpy() for t in host]
 
 

@@ -1,4 +1,5 @@
-"""What the benchmarks claim about their own alternatives: the two-level top-k of bench/sampling.py is exact,
+"""What the benchmarks claim about their own alternatives: the two-level top-k (ext/logprobs.py's, which
+bench/sampling.py also puts in topk's place) is exact,
 decode_attention.py's ragged and flex paths attend as the engine does, and gpu.py times each step and runs each
 repeat without the last one's prefix blocks. The GPU candidates are switches of the CUDA extension, tested with
 it (tests/test_decode_graphs.py); tests/test_bench_scripts.py runs each script."""
@@ -8,13 +9,13 @@ import time
 import pytest
 import torch
 
-from bench.sampling import two_level_topk
 from ext import ServingEngine
+from ext.logprobs import two_level_topk
 from paged import gather_attend
 
 
 @pytest.mark.parametrize("vocab", [50304, 50257, 3300, 100])
-@pytest.mark.parametrize("k", [1, 200])
+@pytest.mark.parametrize("k", [0, 1, 5, 20, 200])
 def test_two_level_topk_selects_exactly_what_torch_topk_does(vocab, k):
     g = torch.Generator().manual_seed(vocab + k)
     for logits in [torch.randn(8, vocab, generator=g) * 3, torch.randint(0, 50, (8, vocab), generator=g).float()]:
