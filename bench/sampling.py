@@ -2,18 +2,18 @@
 
     python bench/sampling.py [--repeats 3] [--shapes tiny,gpt2] [--num-requests 64] [--new-tokens 128]
 
-Each shape is a random-weight GPT with GPT-2's padded 50,304-id vocabulary (50,257 real ids): "tiny" is
-the shipped model's 4 layers x 128, where the lm_head and sampling are most of a decode step; "gpt2" is
-GPT-2 small's 12 x 768. The workload is the one bench/floor.py samples on: 64 prompts of 16 tokens cut
-from the held-out plays, 128 new tokens each, all at once, one PagedEngine with its defaults. Each repeat
-runs, alternated in one process after a warm-up of each: greedy; temperature 0.8 with top-k 200 (the
-"top-k" path); top-p 0.9 alone; min-p 0.05 alone; top-k 200 with logprobs=5 on every row (the engine
-composed with ext/logprobs.py, whose top ids come from an exact two-level selection, two_level_topk); and top-k
-200 with that selection in the sampler's topk's place (measured, not in the core: docs/floor_and_sampling.md).
-Ratios are taken per repeat; sample() is timed around the engine's own call, per step, median over the run. Random weights give nearly flat logits, so
-top-p 0.9 keeps most of the vocabulary here (the share is printed): the worst case for a sort. With
---num-requests below 16 (nothing compiles), --new-tokens 16 and --repeats 1, a check that the script runs:
-no figures.
+Each shape is a random-weight GPT with GPT-2's padded 50,304-id vocabulary (50,257 real ids): "tiny" is the
+shipped model's 4 layers x 128, where the lm_head and sampling are most of a decode step; "gpt2" is GPT-2
+small's 12 x 768. The workload is the one bench/floor.py samples on: 64 prompts of 16 tokens cut from the
+held-out plays, 128 new tokens each, all at once, one PagedEngine with its defaults. Each repeat runs,
+alternated in one process after a warm-up of each: greedy; temperature 0.8 with top-k 200 (the "top-k" path);
+top-p 0.9 alone; min-p 0.05 alone; top-k 200 with logprobs=5 on every row (the engine composed with
+ext/logprobs.py, whose top ids come from an exact two-level selection, two_level_topk); and top-k 200 with that
+selection in the sampler's topk's place (measured, not in the core: docs/floor_and_sampling.md). Ratios are
+taken per repeat; sample() is timed around the engine's own call, per step, median over the run. Random weights
+give nearly flat logits, so top-p 0.9 keeps most of the vocabulary here (the share is printed): the worst case
+for a sort. With --num-requests below 16 (nothing compiles), --new-tokens 16 and --repeats 1, a check that the
+script runs: no figures.
 """
 
 import argparse
