@@ -4,6 +4,7 @@ the block pool, ContiguousBatch (harness/contiguous.py) in each sequence's own t
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -11,8 +12,8 @@ from model import attend
 
 
 def longs(values):
-    """A list of ints -> an int64 tensor, an empty list too (torch.tensor([]) is float)."""
-    return torch.tensor(values, dtype=torch.long)
+    """A list of ints -> an int64 array on the host, an empty list too (np.array([]) is float)."""
+    return np.array(values, dtype=np.int64)
 
 
 class Chunk(NamedTuple):
@@ -31,7 +32,8 @@ class StepBatch:
     token) come first and attend together in one call; then each longer chunk attends alone. A sampler
     (sequence, entry, back) reads the logits of its entry's last token, or of the one back tokens before it;
     the forks of a prompt share its entry.
-    Built on the host, then staged to the device (stage), where it has:
+    Built on the host in numpy (its small ops cost a third of torch's: docs/vllm.md), then staged to the device
+    (stage), where it has:
         idx, positions: (N,) the step's new tokens and their positions in their sequences;
         logit_rows: (S,) the token whose logits each of the S samplers reads (its entry's last, or `back` before);
         sample_rows: (S,) each sampler's row in the engine's per-sequence tensors;
@@ -45,11 +47,11 @@ class StepBatch:
         self.device = device
         num_cached = longs([s.num_computed for s, _ in plan])  # (R,)
         num_new = longs([n for _, n in plan])  # (R,)
-        ends = num_new.cumsum(0)  # (R,) each entry's end in the step's tokens
+        ends = num_new.cumsum()  # (R,) each entry's end in the step's tokens
         starts = ends - num_new
-        self.token_entry = torch.repeat_interleave(torch.arange(len(plan)), num_new)  # (N,) each token's plan entry
+        self.token_entry = np.repeat(np.arange(len(plan)), num_new)  # (N,) each token's plan entry
         offsets = (num_cached - starts)[self.token_entry]  # (N,) each token's position less its place in the step
-        self.host_positions = offsets + torch.arange(len(self.token_entry))  # (N,)
+        self.host_positions = offsets + np.arange(len(self.token_entry))  # (N,)
         self.kv_lens = num_cached + num_new  # (R,) keys each entry has after this step
         self.num_one_token = int((num_new == 1).sum())  # NOTE: the plan puts them first
         self.spans = list(zip(starts.tolist(), ends.tolist()))  # (start, end) of each entry's new tokens
@@ -64,9 +66,9 @@ class StepBatch:
         staged = self.stage(tokens, self.host_positions, logit_rows, rows, sample_pos)
         self.idx, self.positions, self.logit_rows, self.sample_rows, self.sample_pos = staged
 
-    def stage(self, *tensors):
-        """Host tensors -> the same on the device (the CUDA extension copies them in one: ext/cuda.py)."""
-        return [t.to(self.device) for t in tensors]
+    def stage(self, *arrays):
+        """Host arrays -> tensors on the device (the CUDA extension copies them in one: ext/cuda.py)."""
+        return [torch.from_numpy(a).to(self.device) for a in arrays]
 
     def attend(self, layer, q, k, v):
         """q, k, v: (N, H, D) for the step's new tokens -> (N, H, D)."""

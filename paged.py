@@ -8,10 +8,10 @@ import functools
 import hashlib
 from collections import OrderedDict
 
+import numpy as np
 import torch
-import torch.nn.functional as F
 
-from batch import StepBatch, longs
+from batch import StepBatch
 from model import attend
 
 
@@ -149,7 +149,8 @@ def compiled_gather_attend():
 
 
 class PagedBatch(StepBatch):
-    """The pool seen by one forward, through tables cut from the engine's block_tables (max_batch, W) by row.
+    """The pool seen by one forward, through tables cut from the engine's block_tables (max_batch, W), a host
+    array, by row.
     compiled: one-token entries attend through compiled_gather_attend; else blocks are gathered, then SDPA.
     On the device, besides StepBatch's:
         slots: (N,) where each new token's K/V go;
@@ -161,13 +162,12 @@ class PagedBatch(StepBatch):
         self.k_pool, self.v_pool = kv_pool
         self.compiled = compiled
         block_size = self.k_pool.shape[2]
-        blocks_read = blocks_for(self.kv_lens, block_size).tolist()  # (R,)
-        rows = longs([s.row for s, _ in plan])
-        table = block_tables[rows, : max(blocks_read, default=0)].long()  # (R, W)
+        blocks_read = blocks_for(self.kv_lens, block_size)  # (R,)
+        table = block_tables[[s.row for s, _ in plan], : blocks_read.max(initial=0)].astype(np.int64)  # (R, W)
         block = table[self.token_entry, self.host_positions // block_size]  # (N,)
         slots = block * block_size + self.host_positions % block_size
         B = self.num_one_token
-        one_token_table = table[:B, : max(blocks_read[:B], default=0)]
+        one_token_table = table[:B, : blocks_read[:B].max(initial=0)]
         one_token_len = self.kv_lens[:B]
         if compiled:  # padded to 2 rows and blocks at least: a size of 1 would specialize the compiled graph
             width = max(one_token_table.shape[1], 2)
@@ -178,8 +178,8 @@ class PagedBatch(StepBatch):
     def pad(self, table, kv_len, rows, width):
         """table (B, W), kv_len (B,) -> (rows, width), (rows,): padding rows read one key of the padding block."""
         padding = self.k_pool.shape[1] - 1  # the padding block
-        table = F.pad(table, (0, width - table.shape[1], 0, rows - len(table)), value=padding)
-        return table, F.pad(kv_len, (0, rows - len(kv_len)), value=1)
+        table = np.pad(table, ((0, rows - len(table)), (0, width - table.shape[1])), constant_values=padding)
+        return table, np.pad(kv_len, (0, rows - len(kv_len)), constant_values=1)
 
     def store(self, layer, k, v):
         write_kv(self.k_pool[layer], self.v_pool[layer], self.slots, k, v)

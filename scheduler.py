@@ -3,7 +3,7 @@ decoding sequence's next token, then prefill chunks of admitted sequences, then 
 token_budget tokens in all. Admission waits until free blocks cover a sequence (backpressure); a full pool
 preempts the newest sequence, to be recomputed when it is readmitted. K/V live in the block pool (paged.py)."""
 
-import torch
+import numpy as np
 
 from engine import Engine, PlanEntry
 from paged import BlockAllocator, PagedBatch, allocate_pool, blocks_for
@@ -40,7 +40,7 @@ class PagedEngine(Engine):
         self.watermark = max(1, num_blocks // 100)
         # each running sequence's block table in its row, updated as it grows: no step rebuilds one from a list
         width = blocks_for(self.window, block_size)
-        self.block_tables = torch.full((self.max_batch, width), num_blocks, dtype=torch.int32)  # num_blocks: padding
+        self.block_tables = np.full((self.max_batch, width), num_blocks, dtype=np.int32)  # num_blocks: padding
 
     def check(self, r):
         super().check(r)
@@ -96,7 +96,7 @@ class PagedEngine(Engine):
     def place_blocks(self, s, k, blocks):
         """`blocks`, held, become s's blocks from its k-th on, in its block table and its row of block_tables."""
         s.block_table[k : k + len(blocks)] = blocks
-        self.block_tables[s.row, k : k + len(blocks)] = torch.tensor(blocks)  # int64 ids, stored as int32
+        self.block_tables[s.row, k : k + len(blocks)] = blocks
 
     def make_room(self, s):
         """Preempt the newest running sequences until one block can be allocated (a free cached block counts:

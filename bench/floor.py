@@ -54,7 +54,7 @@ class FloorBatch(StepBatch):
         super().__init__(plan, [Sampler(plan[i].sequence, i) for i in entries], torch.device("cpu"))
         H, D, S = config.n_head, config.n_embd // config.n_head, self.num_one_token
         L = int(self.kv_lens[:S].max()) if S else 0
-        self.decode_pos = self.kv_lens[:S, None] - 1  # (S, 1): each one-token entry's position
+        self.decode_pos = torch.from_numpy(self.kv_lens[:S, None] - 1)  # (S, 1): each one-token entry's position
         self.single = [(torch.randn(S, L, H, D), torch.randn(S, L, H, D)) for _ in range(config.n_layer)]
         self.cached = {
             i: [(torch.randn(1, end, H, D), torch.randn(1, end, H, D)) for _ in range(config.n_layer)]

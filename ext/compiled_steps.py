@@ -82,7 +82,7 @@ class RowBatch:
         self.token_row = torch.arange(len(rows)).repeat_interleave(Q)
         picks = [pick(plan, x, Q) for x in samplers]
         logit_rows, self.sample_rows, self.sample_pos = columns(picks, 3)
-        two_more = longs([0, 0])  # never a size of 0 or 1
+        two_more = torch.zeros(2, dtype=torch.long)  # never a size of 0 or 1
         self.logit_rows = torch.cat([logit_rows, two_more])
 
     def attend(self, layer, q, k, v):
@@ -120,7 +120,7 @@ def row(s, n, Q, W, padding, real=True):
 def columns(rows, width):
     """Rows of `width` fields each -> a tensor of each field."""
     fields = [[r[i] for r in rows] for i in range(width)]
-    return [longs(field) for field in fields]
+    return [torch.from_numpy(longs(field)) for field in fields]
 
 
 def pick(plan, sampler, Q):

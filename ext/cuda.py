@@ -8,8 +8,8 @@ decode attention (flex_attention in the large buckets: ext/flex_decode.py)."""
 
 import math
 
+import numpy as np
 import torch
-import torch.nn.functional as F
 
 from ext.async_steps import AsyncSteps
 from ext.flex_decode import flex_attend, flex_block_mask
@@ -17,29 +17,29 @@ from ext.padded_chunks import padded_batch_class
 from paged import PagedBatch
 
 
-def stage(tensors, device):
-    """Host int64 tensors -> views of one device tensor, copied in one go (from pinned memory on CUDA)."""
-    sizes = [t.numel() for t in tensors]
+def stage(arrays, device):
+    """Host int64 arrays -> views of one device tensor, copied in one go (from pinned memory on CUDA)."""
+    sizes = [a.size for a in arrays]
     pinned = device.type == "cuda"
     # NOTE: a new host buffer each step: a step that samples nothing does not wait for the device, and the
     # caching host allocator hands a pinned buffer out again only once its copy is done
     host = torch.empty(sum(sizes), dtype=torch.long, pin_memory=pinned)
-    torch.cat([t.flatten() for t in tensors], out=host)
+    torch.cat([torch.from_numpy(a).flatten() for a in arrays], out=host)
     staged = host.to(device, non_blocking=True)  # the step's end waits for the sampled tokens, and so for this
     pieces = staged.split(sizes)
-    return [piece.view(t.shape) for t, piece in zip(tensors, pieces)]
+    return [piece.view(a.shape) for a, piece in zip(arrays, pieces)]
 
 
 class StagedBatch(PagedBatch):
     """A step on the GPU: its tensors in one copy each time the batch stages."""
 
-    def stage(self, *tensors):
-        return stage(tensors, self.device)
+    def stage(self, *arrays):
+        return stage(arrays, self.device)
 
 
-def pad_rows(t, rows, value=0):
-    """t: (n,) -> (rows,), the new places holding value."""
-    return F.pad(t, (0, rows - len(t)), value=value)
+def pad_rows(a, rows, value=0):
+    """a: (n,) -> (rows,), the new places holding value."""
+    return np.pad(a, (0, rows - len(a)), constant_values=value)
 
 
 class GraphInputs:
@@ -88,8 +88,8 @@ class GraphBatch(PagedBatch):
         self.one_token_table = inputs.one_token_table
         self.sample_rows, self.sample_pos = staged[6:]
 
-    def stage(self, *tensors):  # the host tensors: the constructor pads and stages them
-        return tensors
+    def stage(self, *arrays):  # the host arrays: the constructor pads and stages them
+        return arrays
 
 
 class FlexBatch(GraphBatch):

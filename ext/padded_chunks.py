@@ -21,6 +21,7 @@ token's attention equals its chunk's alone up to rounding (2.4e-7 in float32; th
 import functools
 import itertools
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -74,17 +75,17 @@ class PaddedChunks:
         chunks = [self.chunks[i] for i in self.padded]
         self.lengths = [c.end - c.start for c in chunks]
         lengths = longs(self.lengths)[:, None]  # (R, 1)
-        columns = torch.arange(max(self.lengths))  # (Q,)
-        offsets = columns.minimum(lengths - 1)  # (R, Q): a row's last token repeated as padding
+        columns = np.arange(max(self.lengths))  # (Q,)
+        offsets = np.minimum(columns, lengths - 1)  # (R, Q): a row's last token repeated as padding
         starts = longs([c.start for c in chunks])[:, None]  # (R, 1) in the step's tokens
         num_cached = longs([c.num_cached for c in chunks])[:, None]  # (R, 1)
         index, positions = starts + offsets, num_cached + offsets  # (R, Q) each
         longest = int(positions[:, -1].max()) + 1  # keys
         num_blocks = blocks_for(longest, self.k_pool.shape[2])
-        real = (columns < lengths).flatten().nonzero()[:, 0]  # the real tokens' places in the (R * Q) rows
+        real = (columns < lengths).flatten().nonzero()[0]  # the real tokens' places in the (R * Q) rows
         self.padded_index, self.padded_pos, self.padded_real = self.stage(index, positions, real)
-        # the chunks' rows of the batch's table, already on the device (staging takes host tensors)
-        entries = longs([c.entry for c in chunks]).to(self.table.device)
+        # the chunks' rows of the batch's table, already on the device (staging takes host arrays)
+        entries = torch.from_numpy(longs([c.entry for c in chunks])).to(self.table.device)
         self.padded_table = self.table[entries, :num_blocks]
 
     def attend_chunks(self, layer, q, k, v):

@@ -3,6 +3,7 @@ linears prepacked, and sampling in float32. float32 and float64 stay exact (test
 
 import random
 
+import numpy as np
 import pytest
 import torch
 from conftest import make_requests, run_engine
@@ -42,7 +43,7 @@ def test_paged_forward_in_bf16_is_as_close_to_float64_as_the_plain_models(model,
     prompts = prompts_from_the_plays(6, 40)
     shape = (model.config.n_layer, 97, 4, model.config.n_head, model.config.n_embd // model.config.n_head)
     k_pool, v_pool = torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16)
-    block_tables = torch.tensor([[i + 6 * j for j in range(16)] for i in range(6)], dtype=torch.int32)
+    block_tables = np.array([[i + 6 * j for j in range(16)] for i in range(6)], dtype=np.int32)
     prepack(model)  # the bf16 linears in oneDNN's layout, as generate.py loads a model
 
     def paged_batch(plan, samplers):

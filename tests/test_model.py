@@ -1,6 +1,7 @@
 """The tiny GPT: its cached forward against a full recompute, the linears the engines prepack, and its
 checkpoints (nanoGPT's, one made from GPT-2's weights, train_tiny's), the tokenizer and the plays."""
 
+import numpy as np
 import pytest
 import torch
 from conftest import make_requests, run_engine, tiny_gpt
@@ -51,7 +52,7 @@ def test_cached_decode_equals_full_recompute(model, cache):
         torch.zeros(2, 65, 3, 2, 16, dtype=torch.float64),
     )
     # scattered blocks: request i owns blocks i, i + 8, i + 16, ...; block 64 is padding's
-    block_tables = torch.tensor([[i + 8 * j for j in range(8)] for i in range(len(prompts))], dtype=torch.int32)
+    block_tables = np.array([[i + 8 * j for j in range(8)] for i in range(len(prompts))], dtype=np.int32)
 
     cpu = torch.device("cpu")
 

@@ -6,6 +6,7 @@ prompts from their start too: the same tokens, with forks, beams and preemption.
 import copy
 import random
 
+import numpy as np
 import pytest
 import torch
 from conftest import baseline, check_invariants, make_requests, run_engine
@@ -145,8 +146,8 @@ def test_padded_chunks_stage_on_the_gpus_one_copy_path():
     none: building the batch must not mix devices in one copy."""
     s = Request(list(range(1, 13)), 2).sequences[0]
     s.num_computed, s.row, s.block_table = 8, 0, [0, 1, 2]  # 8 cached tokens, then a chunk of 4
-    block_tables = torch.zeros(4, 8, dtype=torch.int32)
-    block_tables[0, :3] = torch.tensor([0, 1, 2])
+    block_tables = np.zeros((4, 8), dtype=np.int32)  # the engine's, a host array
+    block_tables[0, :3] = [0, 1, 2]
     kv_pool = torch.zeros(2, 2, 11, 4, 2, 16, device="meta")  # (K and V, layers, blocks + 1, block_size, H, D)
     batch_class = padded_batch_class(StagedBatch)
     batch = batch_class([PlanEntry(s, 4)], [Sampler(s, 0)], torch.device("meta"), kv_pool, block_tables, False)
