@@ -141,7 +141,7 @@ def test_padded_batch_class_is_composed_once(model):
 
 
 def test_padded_chunks_stage_on_the_gpus_one_copy_path():
-    """On CUDA the batch stages its host tensors in one copy (ext/cuda.py's StagedBatch), its table already on
+    """On CUDA the batch stages its host arrays in one copy (ext/cuda.py's StagedBatch), its table already on
     the device: the padded chunks' tables are cut from it there. The meta device stands in for CUDA, as CI has
     none: building the batch must not mix devices in one copy."""
     s = Request(list(range(1, 13)), 2).sequences[0]
