@@ -30,7 +30,8 @@ the tokens before it; the first window starts after <|endoftext|>). Methods:
   forward  the model's own batched forward, as training runs it (GPT.forward(idx, targets), no cache): the same
            windows in batches of --ppl-batch, each window's tokens but its last in, the mean loss of its scored ones
 Ours is the engine harness.scoring builds (the paged engine with the logprobs extension, its defaults: a
-2,048-token step budget unless --token-budget says otherwise, 64 sequences at once), the model through
+2,048-token step budget unless --token-budget says otherwise, 64 sequences at once; with --invariant the
+batch-invariant forward of ext/invariant.py, whose scores are equal to the bit cache on and off), the model through
 harness/tuning.py's prepare as generate.py loads it; its pool holds 64 sequences at their longest. Each engine is
 built before its clock starts (a fresh one each repeat: its prefix cache starts empty); HF and our forward share
 the process and its threads. Each vLLM run is its own process (it loads the model, exported each run with
@@ -91,14 +92,14 @@ def pairs_of(requests):  # (tokens, start) -> loglikelihood's (context, continua
     return [(tokens[:start], tokens[start:]) for tokens, start in requests]
 
 
-def run_ours(model, requests, prefix_cache, token_budget, max_batch=64):
+def run_ours(model, requests, prefix_cache, token_budget, invariant=False, max_batch=64):
     """loglikelihood on a fresh scoring engine -> (seconds, scores, (prefill tokens, cached tokens, steps))."""
     from harness.metrics import Meter
     from harness.scoring import loglikelihood, scoring_engine
     from paged import blocks_for
 
     num_blocks = max_batch * max(blocks_for(len(tokens), 16) for tokens, _ in requests)
-    settings = dict(prefix_cache=prefix_cache, token_budget=token_budget, max_batch=max_batch)
+    settings = dict(prefix_cache=prefix_cache, token_budget=token_budget, max_batch=max_batch, invariant=invariant)
     engine = scoring_engine(model, num_blocks=num_blocks, **settings)
     meter = Meter(engine)
     start = time.perf_counter()
@@ -141,13 +142,14 @@ def ppl_windows(val, prefix_token, window):
     return [(ctx + cont, len(ctx)) for ctx, cont in rolling_windows(val, prefix_token, window)]
 
 
-def run_engine_ppl(model, val, prefix_token, token_budget, max_batch=64):
+def run_engine_ppl(model, val, prefix_token, token_budget, invariant=False, max_batch=64):
     """Every token of val through loglikelihood_rolling -> (seconds, mean loss, tokens)."""
     from harness.scoring import loglikelihood_rolling, scoring_engine
     from paged import blocks_for
 
     num_blocks = max_batch * blocks_for(model.config.block_size, 16)
-    engine = scoring_engine(model, num_blocks=num_blocks, token_budget=token_budget, max_batch=max_batch)
+    settings = dict(token_budget=token_budget, max_batch=max_batch, invariant=invariant)
+    engine = scoring_engine(model, num_blocks=num_blocks, **settings)
     start = time.perf_counter()
     (total,) = loglikelihood_rolling(engine, [val], prefix_token)
     return time.perf_counter() - start, -total / len(val)
@@ -258,6 +260,11 @@ def parse_args(argv=None):
         help="ours' tokens a step (default: 2,048, harness.scoring's SCORING_TOKEN_BUDGET; the engine's own is 512, "
         "vLLM's 4,096)",
     )
+    p.add_argument(
+        "--invariant",
+        action="store_true",
+        help="ours with the batch-invariant forward (ext/invariant.py): scores equal to the bit, cache on or off",
+    )
     p.add_argument("--hf-batch", type=int, default=32, help="HF's batch of requests (default: 32)")
     p.add_argument("--ppl-batch", type=int, default=64, help="the model's forward's batch of windows (default: 64)")
     p.add_argument("--ppl-tokens", type=int, default=0, help="score the held-out plays' first N tokens; 0: all")
@@ -302,6 +309,7 @@ def main():
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads; transformers {transformers.__version__}; "
         f"ours: a {args.token_budget}-token step budget, 64 sequences at once"
+        + (", the batch-invariant forward (--invariant)" if args.invariant else "")
     )
     methods = args.methods
     if args.skipped:
@@ -336,11 +344,11 @@ def main():
     # one warm-up of each in-process method on other questions and tokens
     for m in methods:
         if m in ("cache", "nocache"):
-            run_ours(model, warm, m == "cache", args.token_budget)
+            run_ours(model, warm, m == "cache", args.token_budget, args.invariant)
         elif m == "hf":
             run_hf(hf, warm, args.hf_batch)
         elif m == "engine":
-            run_engine_ppl(model, warm_text, enc.eot_token, args.token_budget)
+            run_engine_ppl(model, warm_text, enc.eot_token, args.token_budget, args.invariant)
         elif m == "forward":
             run_forward_ppl(model, ppl_windows(warm_text, enc.eot_token, window), args.ppl_batch)
     freeze_heap()  # as serving does after its warm-up: the compiled graphs are never walked by the collector again
@@ -350,14 +358,14 @@ def main():
     for _ in range(args.repeats):
         for m in methods:
             if m in ("cache", "nocache"):
-                t, s, tokens[m] = run_ours(model, requests, m == "cache", args.token_budget)
+                t, s, tokens[m] = run_ours(model, requests, m == "cache", args.token_budget, args.invariant)
             elif m == "hf":
                 t, s = run_hf(hf, requests, args.hf_batch)
             elif m == "vllm":
                 vllm_info = launch_vllm(args.vllm_python, job_file, vllm_env)
                 t, s = vllm_info["seconds"], vllm_info["scores"]
             elif m == "engine":
-                t, s = run_engine_ppl(model, val, enc.eot_token, args.token_budget)
+                t, s = run_engine_ppl(model, val, enc.eot_token, args.token_budget, args.invariant)
             else:
                 t, s = run_forward_ppl(model, windows, args.ppl_batch)
             seconds[m].append(t)

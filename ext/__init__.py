@@ -9,6 +9,7 @@
                (decode_attention)
     compiled_steps.py  small steps as one compiled graph on a CPU  (compile="step")
     padded_chunks.py  short chunks after cached K/V attend in one call  (by speculative.py and logprobs.py)
+    invariant.py  a batch-invariant forward on a CPU: a token's values whatever runs beside it  (invariant=True)
 
 engine_class composes exactly the extensions a run asks for, so that a plain run is the bare PagedEngine;
 ServingEngine has them all, each idle until asked for, and gives the core's tokens where the core runs:
@@ -22,6 +23,7 @@ import functools
 from ext.compiled_steps import CompiledSteps
 from ext.cuda import CudaGraphs
 from ext.forks import PagedForks
+from ext.invariant import Invariant
 from ext.logprobs import Logprobs
 from ext.speculative import Speculative
 from ext.swap import Swap
@@ -29,14 +31,23 @@ from scheduler import PagedEngine
 
 __all__ = ["ServingEngine", "engine_class"]
 
-EXTENSIONS = (CompiledSteps, Speculative, PagedForks, Logprobs, Swap, CudaGraphs)  # in the order they compose
+EXTENSIONS = (
+    Invariant,
+    CompiledSteps,
+    Speculative,
+    PagedForks,
+    Logprobs,
+    Swap,
+    CudaGraphs,
+)  # in the order they compose
 
 
-def engine_class(*, forks=False, logprobs=False, swap=False, speculative=False, compile="auto"):
+def engine_class(*, forks=False, logprobs=False, swap=False, speculative=False, invariant=False, compile="auto"):
     """PagedEngine with the extensions asked for: forks (n samples or beams), logprobs, swap (a swap space),
-    speculative (speculative decoding), and the one that brings compile mode "graph" or "step". None asked:
-    PagedEngine."""
+    speculative (speculative decoding), invariant (a batch-invariant forward), and the one that brings compile
+    mode "graph" or "step". None asked: PagedEngine."""
     wanted = {
+        Invariant: invariant,
         CompiledSteps: compile == "step",
         Speculative: speculative,
         PagedForks: forks,

@@ -260,6 +260,8 @@ def scores(logits, targets, width, compiled=False):
     likeliest ids (R, width) and their logprobs (R, width). In the logits' dtype, float32 at least (the engine
     samples in it); compiled: through torch.compile (on a CPU, 2-4x as fast as the eager ops at 512-2,048 rows of
     2,048 ids, and never slower at 8-128)."""
+    if len(logits) == 1:  # a lone row's sums are split across threads, and round apart from the same row among others
+        return [t[:1] for t in scores(logits.repeat(2, 1), targets.repeat(2), width, compiled)]
     top_values, top_ids = two_level_topk(logits, width)
     best = top_values[:, :1] if width else logits.amax(-1, keepdim=True)
     logprob, rank, log_total = (compiled_target_scores() if compiled else target_scores)(logits, targets, best)

@@ -96,15 +96,19 @@ class PaddedChunks:
         pieces = self.attend_padded(layer, q) if self.padded else {}  # first chunk index -> its output
         covered = set(pieces)
         for first, count, length in self.runs:
-            a = self.chunks[first].start
-            rows = (t[a : a + count * length].unflatten(0, (count, length)).transpose(1, 2) for t in (q, k, v))
-            y = F.scaled_dot_product_attention(*rows, is_causal=True).transpose(1, 2)  # (count, length, H, D)
-            pieces[first] = y.flatten(0, 1)  # one piece, a view: CPU SDPA writes (count, length, H, D) in place
+            pieces[first] = self.attend_run(q, k, v, self.chunks[first].start, count, length)
             covered.update(range(first, first + count))
         for i, chunk in enumerate(self.chunks):
             if i not in covered:
                 pieces[i] = self.attend_chunk(layer, chunk, q, k, v)
         return [pieces[i] for i in sorted(pieces)]
+
+    def attend_run(self, q, k, v, start, count, length):
+        """count prompts from their start, each of length tokens, side by side from the step's token start: one
+        causal call -> their outputs in one piece, (count * length, H, D)."""
+        rows = (t[start : start + count * length].unflatten(0, (count, length)).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(*rows, is_causal=True).transpose(1, 2)  # (count, length, H, D)
+        return y.flatten(0, 1)  # a view: CPU SDPA writes (count, length, H, D) in place
 
     def attend_padded(self, layer, q):
         """The padded chunks in one call -> {chunk index: its (n, H, D)}."""

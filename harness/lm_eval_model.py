@@ -26,7 +26,7 @@ def check_model_args(unknown, dtype, sizes):
     if unknown:
         raise ValueError(
             f"unknown model_args {', '.join(sorted(unknown))}: nanogpt-paged takes ckpt, dtype, block_size, "
-            "num_blocks, token_budget, max_batch, prefix_cache, compile, max_gen_toks"
+            "num_blocks, token_budget, max_batch, prefix_cache, compile, invariant, max_gen_toks"
         )
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} must be one of {', '.join(DTYPES)}")
@@ -51,7 +51,8 @@ class NanoGPTPaged(TemplateLM):
     the shipped models/tiny-shakespeare.pt), dtype (float32, bfloat16, float16, float64; default: the checkpoint's
     weights in float32, a GPT as it is), and the engine's settings: block_size (16), num_blocks (default: room for
     16 full windows), token_budget (harness.scoring's 2,048), max_batch (64), prefix_cache (true), compile
-    ("auto"); max_gen_toks (256) for generation kwargs that name none. lm-eval's batch_size, max_batch_size and
+    ("auto"), invariant (false; true: every score the same to the bit whatever runs beside it, on a CPU:
+    ext/invariant.py); max_gen_toks (256) for generation kwargs that name none. lm-eval's batch_size, max_batch_size and
     device are taken too: the first two change nothing (the engine's max_batch and token_budget batch), device
     places the model (cuda if torch sees one, else the CPU, as lm-eval's HF backend does with its default cuda:0).
     The tokenizer is harness.checkpoints.get_tokenizer(vocab_size): GPT-2's BPE cut to the model's ids,
@@ -97,6 +98,7 @@ class NanoGPTPaged(TemplateLM):
         max_batch=64,
         prefix_cache=True,
         compile="auto",
+        invariant=False,
         max_gen_toks=256,
         device=None,
         batch_size=None,
@@ -121,6 +123,7 @@ class NanoGPTPaged(TemplateLM):
             max_batch=max_batch,
             prefix_cache=prefix_cache,
             compile=compile,
+            invariant=invariant,
             vocab_size=self.enc.n_vocab,  # HF's export has these ids; nanoGPT's padding never counts
         )
 

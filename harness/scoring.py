@@ -20,10 +20,13 @@ from sequence import Request, SamplingParams
 SCORING_TOKEN_BUDGET = 2048
 
 
-def scoring_engine(model, token_budget=SCORING_TOKEN_BUDGET, **settings):
+def scoring_engine(model, token_budget=SCORING_TOKEN_BUDGET, invariant=False, **settings):
     """A paged engine with the logprobs extension, for these functions; settings as PagedEngine's (num_blocks is
-    required), but for the step's token budget."""
-    return engine_class(logprobs=True)(model, token_budget=token_budget, **settings)
+    required), but for the step's token budget. invariant: the batch-invariant forward (ext/invariant.py), so
+    that a score is the same to the bit whatever was scored beside it and whatever the prefix cache held."""
+    if invariant:
+        settings["invariant"] = True
+    return engine_class(logprobs=True, invariant=invariant)(model, token_budget=token_budget, **settings)
 
 
 def loglikelihood(engine, pairs):

@@ -17,6 +17,7 @@ from conftest import tiny_gpt
 from lm_eval.api.instance import Instance
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+import ext.invariant
 from ext import engine_class
 from harness import scoring
 from harness.checkpoints import SHIPPED, export_hf, load_checkpoint
@@ -129,27 +130,42 @@ class Watch(Observer):
         self.preempted_scoring += sequence.request.params.prompt_logprobs is not None
 
 
-def engine_for(model, block_size, preemption, prefix_cache=True):
-    """A small pool and token budget: prompts chunk, and the generating requests preempt scoring ones."""
+@pytest.fixture
+def unchecked_invariance(monkeypatch):
+    """invariant=True in float64, whose CPU kernels round by shape (the engine refuses it there: ext/invariant.py),
+    its check passed by hand: the tests compare the invariant forward's values with the model's."""
+    monkeypatch.setattr(ext.invariant, "fewest_rows", lambda model, most: 16)
+    monkeypatch.setattr(ext.invariant, "attention_is_invariant", lambda *args: True)
+
+
+def engine_for(model, block_size, preemption, prefix_cache=True, invariant=False):
+    """A small pool and token budget: prompts chunk, and the generating requests preempt scoring ones; invariant:
+    the batch-invariant forward (ext/invariant.py)."""
     num_blocks = -(-WINDOW // block_size) + 4
     swap = preemption == "swap"
-    engine = engine_class(logprobs=True, swap=swap)(
+    engine = engine_class(logprobs=True, swap=swap, invariant=invariant)(
         model,
         num_blocks=num_blocks,
         block_size=block_size,
         token_budget=5,
         prefix_cache=prefix_cache,
         **({"swap_blocks": num_blocks} if swap else {}),
+        **({"invariant": True} if invariant else {}),
     )
     preempt_mid_scoring(engine)
     return engine, Meter(engine), Watch(engine)
 
 
+@pytest.mark.parametrize("invariant", [False, True])
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
 @pytest.mark.parametrize("block_size", [1, 3, 16])
-def test_loglikelihood_equals_one_full_forward_under_chunking_preemption_and_prefix_hits(model, block_size, preemption):
+def test_loglikelihood_equals_one_full_forward_under_chunking_preemption_and_prefix_hits(
+    model, block_size, preemption, invariant, request
+):
+    if invariant:
+        request.getfixturevalue("unchecked_invariance")
     pairs = pairs_workload(model, block_size)
-    engine, meter, watch = engine_for(model, block_size, preemption)
+    engine, meter, watch = engine_for(model, block_size, preemption, invariant=invariant)
     for r in generating(random.Random(block_size)):  # queued first: they run while the scoring requests prefill
         engine.add(r)
     got = scoring.loglikelihood(engine, pairs)
@@ -164,12 +180,17 @@ def test_loglikelihood_equals_one_full_forward_under_chunking_preemption_and_pre
     assert not engine.waiting and not engine.running and engine.allocator.num_free() == engine.allocator.num_blocks
 
 
+@pytest.mark.parametrize("invariant", [False, True])
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
 @pytest.mark.parametrize("block_size", [1, 3, 16])
-def test_loglikelihood_rolling_equals_lm_evals_windows_each_one_full_forward(model, block_size, preemption):
+def test_loglikelihood_rolling_equals_lm_evals_windows_each_one_full_forward(
+    model, block_size, preemption, invariant, request
+):
+    if invariant:
+        request.getfixturevalue("unchecked_invariance")
     rng = random.Random(block_size)
     texts = [[rng.randrange(300) for _ in range(n)] for n in (0, 1, 5, WINDOW - 2, WINDOW - 1, WINDOW, 150)]
-    engine, _, watch = engine_for(model, block_size, preemption)
+    engine, _, watch = engine_for(model, block_size, preemption, invariant=invariant)
     for r in generating(rng):
         engine.add(r)
     got = scoring.loglikelihood_rolling(engine, texts, prefix_token=299)

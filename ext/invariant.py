@@ -1,0 +1,193 @@
+"""Batch-invariant forwards: every token's values, to the bit, a function of its own sequence's tokens only,
+whatever else the step holds, the chunk the token sat in, or what the prefix cache had. With invariant=True a
+choice scores the same with the cache on or off, alone or among 800 requests, and a request's logprobs and
+greedy tokens do not depend on what runs beside it (docs/scoring.md). On a CPU only.
+
+The plain forward rounds by the step's shape, as every engine's does: CPU kernels pick their blocking by the
+sizes they see. What torch 2.13's CPU kernels do, float32 (measured on an Intel Xeon with AMX, 2026-11-28):
+- a linear layer gives a row other bits in a call of few rows (below 4-16 at the shipped model's sizes), and
+  some change again at large counts (GPT-2 small's 3,072 -> 768 projection from 511 rows); the shipped model's
+  prepared GELU (harness/tuning.py) takes another kernel below 2**14 values;
+- the flash attention kernel gives a query other bits when its last visible key sits in a partial 16-key
+  vector, when its block of queries (32, 64 or 256) holds it alone, and in a causal call, which blocks the
+  keys by the query block.
+So each step runs at least min_rows tokens and logits rows (the last repeated), and every token attends with an
+explicit mask over keys padded to a multiple of KEY_MULTIPLE, in calls of an even number of queries
+(invariant_attend), its earlier K/V read back from the pool. Norms, embeddings and the scores' log-sum-exp
+reduce within a row. min_rows is measured when the engine starts (fewest_rows): the fewest rows from which
+each of the model's row-wise layers gives a row the bits it gets at any count up to the step's token budget.
+Where some count up to the budget changes a layer's bits, or the attention kernel breaks the rules above, the
+engine refuses invariant=True in one line.
+
+What it costs: chunks lose the causal kernel's skipped half, read their own K/V back from the pool, and prompts
+of one length no longer attend together (bench/scoring.py --invariant). Plugs into the engine at batch_class
+and forward."""
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from model import attend
+from paged import gather_kv
+
+KEY_MULTIPLE = 16  # keys padded to a multiple of this: a 16-float vector (AVX-512), two of AVX2's
+SMALL_COUNTS = 64  # fewest_rows tries every row count up to this, then LARGE_COUNTS
+LARGE_COUNTS = (96, 128, 255, 256, 257, 511, 512, 513, 1024, 2047, 2048)
+
+
+def pad_rows(t, rows):
+    """t (N, ...) -> (max(N, rows), ...): the last row repeated (an empty t stays empty)."""
+    if len(t) >= rows or not len(t):
+        return t
+    return torch.cat([t, t[-1:].expand(rows - len(t), *t.shape[1:])])
+
+
+def invariant_attend(q, k, v, q_pos):
+    """model.attend, each query's values independent of the queries beside it and of the keys past its own:
+    keys padded with zeros (masked) to a multiple of KEY_MULTIPLE, an even number of queries a row.
+    q: (B, Q, H, D), k/v: (B, L, H, D), q_pos: (B, Q) -> (B, Q, H, D)."""
+    k, v = (F.pad(t, (0, 0, 0, 0, 0, -t.size(1) % KEY_MULTIPLE)) for t in (k, v))
+    Q = q.size(1)
+    if Q % 2:  # the kernel splits the queries in blocks of 32, 64 or 256: none is then left with one
+        q, q_pos = torch.cat([q, q[:, -1:]], 1), torch.cat([q_pos, q_pos[:, -1:]], 1)
+    return attend(q, k, v, q_pos)[:, :Q]
+
+
+def row_counts(most):
+    return [n for n in [*range(1, SMALL_COUNTS + 1), *LARGE_COUNTS] if n <= most]
+
+
+def fewest_rows_of(layer, x):
+    """layer: a row-wise module, x: (most, C) random rows -> the fewest row counts from which layer(x[:n]) equals
+    layer(x)[:n] at each count tried (row_counts), or None if the largest tried differs."""
+    whole, counts = layer(x), row_counts(len(x))
+    differs = [n for n in counts if not torch.equal(layer(x[:n]), whole[:n])]
+    if counts[-1] in differs:
+        return None
+    return next(n for n in counts if n > max(differs, default=0))
+
+
+def fewest_rows(model, most):
+    """The fewest rows from which each of the model's row-wise layers gives a row the same values in a call of up
+    to `most` rows; None if some layer differs at a count that padding cannot step over. The layers: the first
+    block's (every block repeats them), the final norm and the lm_head, each fed random rows of its width."""
+    block, width, hidden = model.transformer.h[0], model.config.n_embd, model.config.n_embd * 4
+    layers = [
+        (block.ln_1, width),
+        (block.attn.c_attn, width),
+        (block.attn.c_proj, width),
+        (block.mlp.c_fc, width),
+        (block.mlp.gelu, hidden),
+        (block.mlp.c_proj, hidden),
+        (model.transformer.ln_f, width),
+        (model.lm_head, width),
+    ]
+    generator = torch.Generator().manual_seed(0)
+    fewest = 1
+    for layer, n in layers:
+        x = torch.randn(most, n, generator=generator).to(model.lm_head.weight.dtype)
+        rows = fewest_rows_of(layer, x)
+        if rows is None:
+            return None
+        fewest = max(fewest, rows)
+    return fewest
+
+
+def attention_is_invariant(num_heads, head_size, window, dtype):
+    """Whether invariant_attend gives a query the same values in calls of other queries and keys: each of a few
+    queries, alone beside one other and inside longer calls, at head shapes of the model's."""
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, window, num_heads, head_size, generator=generator).to(dtype) for _ in range(3))
+    positions = torch.arange(window)[None]
+
+    def query(p, a, b, keys):  # query p's output in a call of queries a..b-1 over the first `keys` keys
+        return invariant_attend(q[:, a:b], k[:, :keys], v[:, :keys], positions[:, a:b])[0, p - a]
+
+    for p in {window - 1, window // 2, min(32, window - 1), 1}:
+        alone = query(p, p, p + 1, p + 1)
+        calls = [(0, p + 1, p + 1), (max(p - 32, 0), p + 1, window), (p, window, window), (0, window, window)]
+        if not all(torch.equal(query(p, *call), alone) for call in calls):
+            return False
+    return True
+
+
+class InvariantRows:
+    """A mixin of the engine's batch class: every token attends through invariant_attend, and the step's tokens
+    and logits rows are padded to min_rows (num_tokens, num_logit_rows: the real ones)."""
+
+    min_rows = 1
+
+    def __init__(self, plan, samplers, *args):
+        super().__init__(plan, samplers, *args)
+        self.num_tokens, self.num_logit_rows = len(self.idx), len(self.logit_rows)
+        padded = (pad_rows(t, self.min_rows) for t in (self.idx, self.positions, self.logit_rows))
+        self.idx, self.positions, self.logit_rows = padded
+
+    def attend(self, layer, q, k, v):
+        n = self.num_tokens
+        return pad_rows(super().attend(layer, q[:n], k[:n], v[:n]), len(q))
+
+    def attend_one_token(self, layer, q):
+        B = len(q)
+        table, kv_len = self.one_token_table[:B], self.one_token_len[:B]  # compiled: padded to 2 rows
+        keys, values = (gather_kv(pool[layer], table) for pool in (self.k_pool, self.v_pool))  # (B, L, H, D)
+        return invariant_attend(q[:, None], keys, values, kv_len[:, None] - 1)[:, 0]
+
+    def attend_chunk(self, layer, chunk, q, k, v):
+        a, b = chunk.start, chunk.end
+        if chunk.num_cached:
+            keys, values = self.chunk_kv(layer, chunk)  # its own K/V too, stored before
+        else:  # a prompt from its start sees its own K/V only
+            keys, values = k[None, a:b], v[None, a:b]
+        return invariant_attend(q[None, a:b], keys, values, self.positions[None, a:b])[0]
+
+    def attend_run(self, q, k, v, start, count, length):
+        """padded_chunks' prompts of one length, side by side, in one call through invariant_attend."""
+        rows = (t[start : start + count * length].unflatten(0, (count, length)) for t in (q, k, v))
+        positions = torch.arange(length, device=q.device).expand(count, -1)
+        return invariant_attend(*rows, positions).flatten(0, 1)
+
+    def attend_padded(self, layer, q):
+        """padded_chunks' short chunks, together, through invariant_attend -> {chunk index: its (n, H, D)}."""
+        keys, values = (gather_kv(pool[layer], self.padded_table) for pool in (self.k_pool, self.v_pool))
+        y = invariant_attend(q[self.padded_index], keys, values, self.padded_pos)  # (R, Q, H, D)
+        y = y.flatten(0, 1).index_select(0, self.padded_real)
+        return dict(zip(self.padded, y.split(self.lengths)))
+
+
+@functools.cache
+def invariant_batch_class(batch_class, min_rows):
+    return type("Invariant" + batch_class.__name__, (InvariantRows, batch_class), {"min_rows": min_rows})
+
+
+class Invariant:
+    """An engine mixin: with invariant=True, the batch-invariant forward (InvariantRows), the logits of the real
+    rows only; refused in one line where it cannot hold."""
+
+    def __init__(self, model, *, invariant=False, **kw):
+        super().__init__(model, **kw)
+        self.invariant = invariant
+        if invariant:
+            self.batch_class = invariant_batch_class(self.batch_class, self.check_kernels(model))
+
+    def check_kernels(self, model):
+        """The fewest rows a step runs (fewest_rows), or ValueError, in one line, where invariance cannot hold."""
+        if self.kv_pool.is_cuda or self.compile in ("graph", "step"):
+            why = "a GPU" if self.kv_pool.is_cuda else f"compile {self.compile!r}"
+            raise ValueError(f"invariant=True runs on a CPU, with compile auto, on or off (not with {why})")
+        # a step of fewer tokens than the counts tried is padded up to min_rows all the same
+        most = max(self.token_budget, SMALL_COUNTS)
+        min_rows = fewest_rows(model, most)
+        if min_rows is None:
+            why = f"a linear layer, norm or GELU of this model rounds a row by the rows beside it, up to {most} rows"
+            raise ValueError(f"invariant=True cannot hold: {why}, on this CPU (a smaller token_budget may avoid it)")
+        config, dtype = model.config, self.kv_pool.dtype
+        if not attention_is_invariant(config.n_head, config.n_embd // config.n_head, self.window, dtype):
+            why = f"this CPU's attention kernel rounds a query by the queries and keys beside it, in {dtype}"
+            raise ValueError(f"invariant=True cannot hold: {why}")
+        return min_rows
+
+    def forward(self, batch):
+        logits = super().forward(batch)
+        return logits[: batch.num_logit_rows] if self.invariant else logits
