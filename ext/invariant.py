@@ -1,27 +1,27 @@
 """Batch-invariant forwards: every token's values, to the bit, a function of its own sequence's tokens only,
-whatever else the step holds, the chunk the token sat in, or what the prefix cache had. With invariant=True a
-choice scores the same with the cache on or off, alone or among 800 requests, and a request's logprobs and
-greedy tokens do not depend on what runs beside it (docs/scoring.md). On a CPU only.
+whatever else the step holds, the chunk the token sat in, what the prefix cache had, or the engine's token
+budget. With invariant=True a choice scores the same with the cache on or off, alone or among 800 requests, and
+a request's logprobs and tokens do not depend on what runs beside it (docs/scoring.md). On a CPU only.
 
 The plain forward rounds by the step's shape, as every engine's does: CPU kernels pick their blocking by the
-sizes they see. What torch 2.13's CPU kernels do, float32 (measured on an Intel Xeon with AMX, 2026-11-28):
-- a linear layer gives a row other bits in a call of few rows (below 4-16 at the shipped model's sizes), and
-  some change again at large counts (GPT-2 small's 3,072 -> 768 projection from 511 rows); the shipped model's
-  prepared GELU (harness/tuning.py) takes another kernel below 2**14 values;
-- the flash attention kernel gives a query other bits when its last visible key sits in a partial 16-key
-  vector, when its block of queries (32, 64 or 256) holds it alone, and in a causal call, which blocks the
-  keys by the query block.
+sizes they see. What torch 2.13's CPU kernels do (measured on an Intel Xeon with AMX, 2026-11-28):
+- a linear layer gives a row other bits in a call of few rows (below 4-16 rows at the shipped model's sizes in
+  float32, below 128 for one of them in bf16), and some change again at large counts (GPT-2 small's 3,072 ->
+  768 projection from 511 rows); the prepared GELU (harness/tuning.py) takes another kernel below 2**14 values;
+- the flash attention kernel gives a query other bits when its last visible key sits in a partial vector (16
+  float32 keys, 32 bf16), when its block of queries (32, 64 or 256 by the call's count) holds it alone, and in
+  a causal call, which cuts the keys at the query block's end; at GPT-2 small's heads also by the queries' count
+  modulo 8 and by the keys' 512-key blocks.
 So each step runs at least min_rows tokens and logits rows (the last repeated), and every token attends with an
-explicit mask over keys padded to a multiple of KEY_MULTIPLE, in calls of an even number of queries
-(invariant_attend), its earlier K/V read back from the pool. Norms, embeddings and the scores' log-sum-exp
-reduce within a row. min_rows is measured when the engine starts (fewest_rows): the fewest rows from which
-each of the model's row-wise layers gives a row the bits it gets at any count up to the step's token budget.
-Where some count up to the budget changes a layer's bits, or the attention kernel breaks the rules above, the
-engine refuses invariant=True in one line.
+explicit mask over keys padded to a multiple of key_multiple, in calls of a multiple of query_multiple queries
+(invariant_attend). Norms, embeddings and the scores' log-sum-exp reduce within a row. All three are measured
+when the engine starts, on the model's own layers and head shapes: min_rows by fewest_rows (the fewest rows from
+which each row-wise layer gives a row the bits it gets at 2,048 rows, or the budget's count if larger), the
+paddings by attention_paddings (the least of a few that keep a query's values in every call tried). Where none
+holds, the engine refuses invariant=True in one line.
 
-What it costs: chunks lose the causal kernel's skipped half, read their own K/V back from the pool, and prompts
-of one length no longer attend together (bench/scoring.py --invariant). Plugs into the engine at batch_class
-and forward."""
+What it costs: chunks lose the causal kernel's skipped half and attend over padded keys, chunks after cached
+K/V read them back padded (bench/scoring.py --invariant). Plugs into the engine at batch_class and forward."""
 
 import functools
 
@@ -31,9 +31,9 @@ import torch.nn.functional as F
 from model import attend
 from paged import gather_kv
 
-KEY_MULTIPLE = 16  # keys padded to a multiple of this: a 16-float vector (AVX-512), two of AVX2's
 SMALL_COUNTS = 64  # fewest_rows tries every row count up to this, then LARGE_COUNTS
 LARGE_COUNTS = (96, 128, 255, 256, 257, 511, 512, 513, 1024, 2047, 2048)
+PADDINGS = [(keys, queries) for keys in (32, 64, 128, 256, 512) for queries in (2, 8, 32)]  # tried in this order
 
 
 def pad_rows(t, rows):
@@ -43,14 +43,16 @@ def pad_rows(t, rows):
     return torch.cat([t, t[-1:].expand(rows - len(t), *t.shape[1:])])
 
 
-def invariant_attend(q, k, v, q_pos):
+def invariant_attend(q, k, v, q_pos, key_multiple, query_multiple):
     """model.attend, each query's values independent of the queries beside it and of the keys past its own:
-    keys padded with zeros (masked) to a multiple of KEY_MULTIPLE, an even number of queries a row.
-    q: (B, Q, H, D), k/v: (B, L, H, D), q_pos: (B, Q) -> (B, Q, H, D)."""
-    k, v = (F.pad(t, (0, 0, 0, 0, 0, -t.size(1) % KEY_MULTIPLE)) for t in (k, v))
+    keys padded with zeros (masked) to a multiple of key_multiple, queries to a multiple of query_multiple (the
+    last repeated). q: (B, Q, H, D), k/v: (B, L, H, D), q_pos: (B, Q) -> (B, Q, H, D)."""
+    k, v = (F.pad(t, (0, 0, 0, 0, 0, -t.size(1) % key_multiple)) for t in (k, v))
     Q = q.size(1)
-    if Q % 2:  # the kernel splits the queries in blocks of 32, 64 or 256: none is then left with one
-        q, q_pos = torch.cat([q, q[:, -1:]], 1), torch.cat([q_pos, q_pos[:, -1:]], 1)
+    padding = -Q % query_multiple
+    if padding:  # none of the kernel's query blocks (32, 64 or 256) is then left with one query
+        q = torch.cat([q, q[:, -1:].expand(-1, padding, -1, -1)], 1)
+        q_pos = torch.cat([q_pos, q_pos[:, -1:].expand(-1, padding)], 1)
     return attend(q, k, v, q_pos)[:, :Q]
 
 
@@ -94,29 +96,40 @@ def fewest_rows(model, most):
     return fewest
 
 
-def attention_is_invariant(num_heads, head_size, window, dtype):
-    """Whether invariant_attend gives a query the same values in calls of other queries and keys: each of a few
-    queries, alone beside one other and inside longer calls, at head shapes of the model's."""
-    generator = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, window, num_heads, head_size, generator=generator).to(dtype) for _ in range(3))
+def attention_is_invariant(q, k, v, paddings):
+    """Whether invariant_attend, with paddings (key_multiple, query_multiple), gives a query the same values in
+    calls of other queries and keys. q, k, v: (1, window, H, D) at the model's head shapes. The queries: one every
+    21 positions (each at another place in a 32-key vector), each alone, last in a prompt that ends with it,
+    among the keys of a longer one, first in a chunk of 45, and in the whole window."""
+    window = q.size(1)
     positions = torch.arange(window)[None]
 
-    def query(p, a, b, keys):  # query p's output in a call of queries a..b-1 over the first `keys` keys
-        return invariant_attend(q[:, a:b], k[:, :keys], v[:, :keys], positions[:, a:b])[0, p - a]
+    def call(a, b, keys):  # queries a..b-1 over the first `keys` keys -> (b - a, H, D)
+        return invariant_attend(q[:, a:b], k[:, :keys], v[:, :keys], positions[:, a:b], *paddings)[0]
 
-    for p in {window - 1, window // 2, min(32, window - 1), 1}:
-        alone = query(p, p, p + 1, p + 1)
-        calls = [(0, p + 1, p + 1), (max(p - 32, 0), p + 1, window), (p, window, window), (0, window, window)]
-        if not all(torch.equal(query(p, *call), alone) for call in calls):
+    whole = call(0, window, window)
+    for p in range(1, window, 21):
+        alone = call(p, p + 1, p + 1)[0]
+        chunk_end = min(p + 45, window)
+        others = [call(0, p + 1, p + 1)[p], call(max(p - 32, 0), p + 1, window)[-1], call(p, chunk_end, chunk_end)[0]]
+        if not all(torch.equal(other, alone) for other in [*others, whole[p]]):
             return False
     return True
 
 
-class InvariantRows:
-    """A mixin of the engine's batch class: every token attends through invariant_attend, and the step's tokens
-    and logits rows are padded to min_rows (num_tokens, num_logit_rows: the real ones)."""
+def attention_paddings(num_heads, head_size, window, dtype):
+    """The first of PADDINGS with which attention_is_invariant holds at these head shapes, or None."""
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, window, num_heads, head_size, generator=generator).to(dtype) for _ in range(3))
+    return next((paddings for paddings in PADDINGS if attention_is_invariant(q, k, v, paddings)), None)
 
-    min_rows = 1
+
+class InvariantRows:
+    """A mixin of the engine's batch class: every token attends through invariant_attend with paddings (key_multiple,
+    query_multiple), and the step's tokens and logits rows are padded to min_rows (num_tokens, num_logit_rows: the
+    real ones)."""
+
+    min_rows, paddings = 1, (32, 2)
 
     def __init__(self, plan, samplers, *args):
         super().__init__(plan, samplers, *args)
@@ -132,7 +145,7 @@ class InvariantRows:
         B = len(q)
         table, kv_len = self.one_token_table[:B], self.one_token_len[:B]  # compiled: padded to 2 rows
         keys, values = (gather_kv(pool[layer], table) for pool in (self.k_pool, self.v_pool))  # (B, L, H, D)
-        return invariant_attend(q[:, None], keys, values, kv_len[:, None] - 1)[:, 0]
+        return invariant_attend(q[:, None], keys, values, kv_len[:, None] - 1, *self.paddings)[:, 0]
 
     def attend_chunk(self, layer, chunk, q, k, v):
         a, b = chunk.start, chunk.end
@@ -140,25 +153,26 @@ class InvariantRows:
             keys, values = self.chunk_kv(layer, chunk)  # its own K/V too, stored before
         else:  # a prompt from its start sees its own K/V only
             keys, values = k[None, a:b], v[None, a:b]
-        return invariant_attend(q[None, a:b], keys, values, self.positions[None, a:b])[0]
+        return invariant_attend(q[None, a:b], keys, values, self.positions[None, a:b], *self.paddings)[0]
 
     def attend_run(self, q, k, v, start, count, length):
         """padded_chunks' prompts of one length, side by side, in one call through invariant_attend."""
         rows = (t[start : start + count * length].unflatten(0, (count, length)) for t in (q, k, v))
         positions = torch.arange(length, device=q.device).expand(count, -1)
-        return invariant_attend(*rows, positions).flatten(0, 1)
+        return invariant_attend(*rows, positions, *self.paddings).flatten(0, 1)
 
     def attend_padded(self, layer, q):
         """padded_chunks' short chunks, together, through invariant_attend -> {chunk index: its (n, H, D)}."""
         keys, values = (gather_kv(pool[layer], self.padded_table) for pool in (self.k_pool, self.v_pool))
-        y = invariant_attend(q[self.padded_index], keys, values, self.padded_pos)  # (R, Q, H, D)
+        y = invariant_attend(q[self.padded_index], keys, values, self.padded_pos, *self.paddings)  # (R, Q, H, D)
         y = y.flatten(0, 1).index_select(0, self.padded_real)
         return dict(zip(self.padded, y.split(self.lengths)))
 
 
 @functools.cache
-def invariant_batch_class(batch_class, min_rows):
-    return type("Invariant" + batch_class.__name__, (InvariantRows, batch_class), {"min_rows": min_rows})
+def invariant_batch_class(batch_class, min_rows, paddings):
+    settings = {"min_rows": min_rows, "paddings": paddings}
+    return type("Invariant" + batch_class.__name__, (InvariantRows, batch_class), settings)
 
 
 class Invariant:
@@ -169,24 +183,26 @@ class Invariant:
         super().__init__(model, **kw)
         self.invariant = invariant
         if invariant:
-            self.batch_class = invariant_batch_class(self.batch_class, self.check_kernels(model))
+            self.batch_class = invariant_batch_class(self.batch_class, *self.check_kernels(model))
 
     def check_kernels(self, model):
-        """The fewest rows a step runs (fewest_rows), or ValueError, in one line, where invariance cannot hold."""
+        """min_rows and paddings as this CPU's kernels need them (fewest_rows, attention_paddings), or
+        ValueError, in one line, where invariance cannot hold."""
         if self.kv_pool.is_cuda or self.compile in ("graph", "step"):
             why = "a GPU" if self.kv_pool.is_cuda else f"compile {self.compile!r}"
             raise ValueError(f"invariant=True runs on a CPU, with compile auto, on or off (not with {why})")
-        # a step of fewer tokens than the counts tried is padded up to min_rows all the same
-        most = max(self.token_budget, SMALL_COUNTS)
+        # against the largest count tried, whatever the budget: a token's values do not depend on it either
+        most = max(self.token_budget, LARGE_COUNTS[-1])
         min_rows = fewest_rows(model, most)
         if min_rows is None:
             why = f"a linear layer, norm or GELU of this model rounds a row by the rows beside it, up to {most} rows"
-            raise ValueError(f"invariant=True cannot hold: {why}, on this CPU (a smaller token_budget may avoid it)")
+            raise ValueError(f"invariant=True cannot hold: {why}, on this CPU")
         config, dtype = model.config, self.kv_pool.dtype
-        if not attention_is_invariant(config.n_head, config.n_embd // config.n_head, self.window, dtype):
+        paddings = attention_paddings(config.n_head, config.n_embd // config.n_head, self.window, dtype)
+        if paddings is None:
             why = f"this CPU's attention kernel rounds a query by the queries and keys beside it, in {dtype}"
             raise ValueError(f"invariant=True cannot hold: {why}")
-        return min_rows
+        return min_rows, paddings
 
     def forward(self, batch):
         logits = super().forward(batch)

@@ -1,6 +1,6 @@
 """The batch-invariant forward (ext/invariant.py), on the shipped model in float32 as bench/scoring.py runs it:
 every score the same to the bit with the prefix cache on or off, at other token budgets, batch sizes and block
-sizes, and alone; a generating request's tokens and logprobs the same alone and among others, under preemption;
+sizes, and alone, and in bf16; a generating request's tokens and logprobs the same alone and among others, under preemption;
 its check of the kernels (fewest_rows) finds where a layer stops rounding by row count; what it cannot run on is
 refused in one line. That its values are the model's, in float64, under chunking, preemption and prefix hits:
 tests/test_scoring.py, with invariant=True."""
@@ -74,6 +74,19 @@ def test_scores_are_the_same_to_the_bit_with_the_cache_on_or_off_at_any_budget_b
         return
     want = prompt_scores(reference, pairs)
     assert prompt_scores(engine(**settings), pairs) == want
+
+
+def test_bf16_scores_are_the_same_to_the_bit_with_the_cache_on_or_off(pairs):
+    model = prepare(load_checkpoint(SHIPPED).to(torch.bfloat16))
+
+    def engine(**kw):
+        return refused(lambda: scoring.scoring_engine(model, invariant=True, num_blocks=64 * 16, **kw))
+
+    reference = engine()
+    if reference is None:
+        return
+    want = prompt_scores(reference, pairs)
+    assert prompt_scores(engine(prefix_cache=False, token_budget=64, max_batch=3), pairs) == want
 
 
 def test_a_pair_scores_the_same_to_the_bit_alone_as_among_others(shipped, pairs):
