@@ -56,6 +56,15 @@ def invariant_attend(q, k, v, q_pos, key_multiple, query_multiple):
     return attend(q, k, v, q_pos)[:, :Q]
 
 
+def invariant_causal(q, k, v, key_multiple):
+    """Prompts from their start, each attending causally over itself, q, k, v: (B, L, H, D) -> (B, L, H, D): the
+    values invariant_attend gives, from a causal call over q, k, v padded with zeros to a multiple of
+    key_multiple, so that every query block's keys end on a whole vector; it skips the keys past each block."""
+    L = q.size(1)
+    q, k, v = (F.pad(t, (0, 0, 0, 0, 0, -L % key_multiple)).transpose(1, 2) for t in (q, k, v))  # (B, H, L', D)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)[:, :L]
+
+
 def row_counts(most):
     return [n for n in [*range(1, SMALL_COUNTS + 1), *LARGE_COUNTS] if n <= most]
 
@@ -98,21 +107,26 @@ def fewest_rows(model, most):
 
 def attention_is_invariant(q, k, v, paddings):
     """Whether invariant_attend, with paddings (key_multiple, query_multiple), gives a query the same values in
-    calls of other queries and keys. q, k, v: (1, window, H, D) at the model's head shapes. The queries: one every
-    21 positions (each at another place in a 32-key vector), each alone, last in a prompt that ends with it,
-    among the keys of a longer one, first in a chunk of 45, and in the whole window."""
+    calls of other queries and keys, and invariant_causal too. q, k, v: (1, window, H, D) at the model's head
+    shapes. The queries: one every 21 positions (each at another place in a 32-key vector), each alone, last in a
+    prompt that ends with it (both calls), among the keys of a longer one, first in a chunk of 45, and in the
+    whole window (both calls)."""
     window = q.size(1)
     positions = torch.arange(window)[None]
 
     def call(a, b, keys):  # queries a..b-1 over the first `keys` keys -> (b - a, H, D)
         return invariant_attend(q[:, a:b], k[:, :keys], v[:, :keys], positions[:, a:b], *paddings)[0]
 
-    whole = call(0, window, window)
+    def causal(end):  # a prompt of `end` tokens from its start -> (end, H, D)
+        return invariant_causal(q[:, :end], k[:, :end], v[:, :end], paddings[0])[0]
+
+    wholes = call(0, window, window), causal(window)
     for p in range(1, window, 21):
         alone = call(p, p + 1, p + 1)[0]
         chunk_end = min(p + 45, window)
-        others = [call(0, p + 1, p + 1)[p], call(max(p - 32, 0), p + 1, window)[-1], call(p, chunk_end, chunk_end)[0]]
-        if not all(torch.equal(other, alone) for other in [*others, whole[p]]):
+        others = [call(0, p + 1, p + 1)[p], causal(p + 1)[p], call(max(p - 32, 0), p + 1, window)[-1]]
+        others += [call(p, chunk_end, chunk_end)[0], *(whole[p] for whole in wholes)]
+        if not all(torch.equal(other, alone) for other in others):
             return False
     return True
 
@@ -149,17 +163,15 @@ class InvariantRows:
 
     def attend_chunk(self, layer, chunk, q, k, v):
         a, b = chunk.start, chunk.end
-        if chunk.num_cached:
-            keys, values = self.chunk_kv(layer, chunk)  # its own K/V too, stored before
-        else:  # a prompt from its start sees its own K/V only
-            keys, values = k[None, a:b], v[None, a:b]
+        if not chunk.num_cached:  # a prompt from its start: causally over its own K/V
+            return invariant_causal(q[None, a:b], k[None, a:b], v[None, a:b], self.paddings[0])[0]
+        keys, values = self.chunk_kv(layer, chunk)  # its own K/V too, stored before
         return invariant_attend(q[None, a:b], keys, values, self.positions[None, a:b], *self.paddings)[0]
 
     def attend_run(self, q, k, v, start, count, length):
-        """padded_chunks' prompts of one length, side by side, in one call through invariant_attend."""
+        """padded_chunks' prompts of one length, side by side, in one call through invariant_causal."""
         rows = (t[start : start + count * length].unflatten(0, (count, length)) for t in (q, k, v))
-        positions = torch.arange(length, device=q.device).expand(count, -1)
-        return invariant_attend(*rows, positions, *self.paddings).flatten(0, 1)
+        return invariant_causal(*rows, self.paddings[0]).flatten(0, 1)
 
     def attend_padded(self, layer, q):
         """padded_chunks' short chunks, together, through invariant_attend -> {chunk index: its (n, H, D)}."""
