@@ -47,7 +47,8 @@ def invariant_attend(q, k, v, q_pos, key_multiple, query_multiple):
     """model.attend, each query's values independent of the queries beside it and of the keys past its own:
     keys padded with zeros (masked) to a multiple of key_multiple, queries to a multiple of query_multiple (the
     last repeated). q: (B, Q, H, D), k/v: (B, L, H, D), q_pos: (B, Q) -> (B, Q, H, D)."""
-    k, v = (F.pad(t, (0, 0, 0, 0, 0, -t.size(1) % key_multiple)) for t in (k, v))
+    if k.size(1) % key_multiple:  # (F.pad copies even when it pads nothing)
+        k, v = (F.pad(t, (0, 0, 0, 0, 0, -t.size(1) % key_multiple)) for t in (k, v))
     Q = q.size(1)
     padding = -Q % query_multiple
     if padding:  # none of the kernel's query blocks (32, 64 or 256) is then left with one query
