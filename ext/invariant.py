@@ -43,12 +43,17 @@ def pad_rows(t, rows):
     return torch.cat([t, t[-1:].expand(rows - len(t), *t.shape[1:])])
 
 
+def pad_to(t, multiple):
+    """t (B, L, H, D) -> (B, L', H, D): zeros after its L rows, up to a multiple of `multiple`."""
+    extra = -t.size(1) % multiple
+    return F.pad(t, (0, 0, 0, 0, 0, extra)) if extra else t  # F.pad copies even when it pads nothing
+
+
 def invariant_attend(q, k, v, q_pos, key_multiple, query_multiple):
     """model.attend, each query's values independent of the queries beside it and of the keys past its own:
     keys padded with zeros (masked) to a multiple of key_multiple, queries to a multiple of query_multiple (the
     last repeated). q: (B, Q, H, D), k/v: (B, L, H, D), q_pos: (B, Q) -> (B, Q, H, D)."""
-    if k.size(1) % key_multiple:  # (F.pad copies even when it pads nothing)
-        k, v = (F.pad(t, (0, 0, 0, 0, 0, -t.size(1) % key_multiple)) for t in (k, v))
+    k, v = pad_to(k, key_multiple), pad_to(v, key_multiple)
     Q = q.size(1)
     padding = -Q % query_multiple
     if padding:  # none of the kernel's query blocks (32, 64 or 256) is then left with one query
@@ -62,7 +67,7 @@ def invariant_causal(q, k, v, key_multiple):
     values invariant_attend gives, from a causal call over q, k, v padded with zeros to a multiple of
     key_multiple, so that every query block's keys end on a whole vector; it skips the keys past each block."""
     L = q.size(1)
-    q, k, v = (F.pad(t, (0, 0, 0, 0, 0, -L % key_multiple)).transpose(1, 2) for t in (q, k, v))  # (B, H, L', D)
+    q, k, v = (pad_to(t, key_multiple).transpose(1, 2) for t in (q, k, v))  # (B, H, L', D) each
     return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)[:, :L]
 
 
