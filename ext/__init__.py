@@ -31,15 +31,8 @@ from scheduler import PagedEngine
 
 __all__ = ["ServingEngine", "engine_class"]
 
-EXTENSIONS = (
-    Invariant,
-    CompiledSteps,
-    Speculative,
-    PagedForks,
-    Logprobs,
-    Swap,
-    CudaGraphs,
-)  # in the order they compose
+# in the order they compose
+EXTENSIONS = (Invariant, CompiledSteps, Speculative, PagedForks, Logprobs, Swap, CudaGraphs)
 
 
 def engine_class(*, forks=False, logprobs=False, swap=False, speculative=False, invariant=False, compile="auto"):
