@@ -115,8 +115,8 @@ def attention_is_invariant(q, k, v, paddings):
     """Whether invariant_attend, with paddings (key_multiple, query_multiple), gives a query the same values in
     calls of other queries and keys, and invariant_causal too. q, k, v: (1, window, H, D) at the model's head
     shapes. The queries: one every 21 positions (each at another place in a 32-key vector), each alone, last in a
-    prompt that ends with it (both calls), among the keys of a longer one, first in a chunk of 45, and in the
-    whole window (both calls)."""
+    prompt that ends with it (both calls), among the keys of a longer one, first in a chunk of 45, beside another
+    row's queries, and in the whole window (both calls)."""
     window = q.size(1)
     positions = torch.arange(window)[None]
 
@@ -126,12 +126,18 @@ def attention_is_invariant(q, k, v, paddings):
     def causal(end):  # a prompt of `end` tokens from its start -> (end, H, D)
         return invariant_causal(q[:, :end], k[:, :end], v[:, :end], paddings[0])[0]
 
+    def beside_another_row(p):  # query p last of two, in a call of two rows -> (H, D)
+        rows = torch.cat([q[:, p - 1 : p + 1], q[:, :2]])
+        keys, values = (t[:, : p + 1].expand(2, -1, -1, -1) for t in (k, v))
+        rows_positions = torch.stack([positions[0, p - 1 : p + 1], positions[0, :2]])
+        return invariant_attend(rows, keys, values, rows_positions, *paddings)[0, 1]
+
     wholes = call(0, window, window), causal(window)
     for p in range(1, window, 21):
         alone = call(p, p + 1, p + 1)[0]
         chunk_end = min(p + 45, window)
         others = [call(0, p + 1, p + 1)[p], causal(p + 1)[p], call(max(p - 32, 0), p + 1, window)[-1]]
-        others += [call(p, chunk_end, chunk_end)[0], *(whole[p] for whole in wholes)]
+        others += [call(p, chunk_end, chunk_end)[0], beside_another_row(p), *(whole[p] for whole in wholes)]
         if not all(torch.equal(other, alone) for other in others):
             return False
     return True
