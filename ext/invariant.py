@@ -132,12 +132,19 @@ def attention_is_invariant(q, k, v, paddings):
         rows_positions = torch.stack([positions[0, p - 1 : p + 1], positions[0, :2]])
         return invariant_attend(rows, keys, values, rows_positions, *paddings)[0, 1]
 
-    wholes = call(0, window, window), causal(window)
+    whole_window, whole_prompt = call(0, window, window), causal(window)
     for p in range(1, window, 21):
         alone = call(p, p + 1, p + 1)[0]
         chunk_end = min(p + 45, window)
-        others = [call(0, p + 1, p + 1)[p], causal(p + 1)[p], call(max(p - 32, 0), p + 1, window)[-1]]
-        others += [call(p, chunk_end, chunk_end)[0], beside_another_row(p), *(whole[p] for whole in wholes)]
+        others = [
+            call(0, p + 1, p + 1)[p],  # last of a prompt
+            causal(p + 1)[p],  # the same, causally
+            call(max(p - 32, 0), p + 1, window)[-1],  # among a longer prompt's keys
+            call(p, chunk_end, chunk_end)[0],  # first of a chunk
+            beside_another_row(p),
+            whole_window[p],
+            whole_prompt[p],
+        ]
         if not all(torch.equal(other, alone) for other in others):
             return False
     return True
@@ -147,7 +154,10 @@ def attention_paddings(num_heads, head_size, window, dtype):
     """The first of PADDINGS with which attention_is_invariant holds at these head shapes, or None."""
     generator = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, window, num_heads, head_size, generator=generator).to(dtype) for _ in range(3))
-    return next((paddings for paddings in PADDINGS if attention_is_invariant(q, k, v, paddings)), None)
+    for paddings in PADDINGS:
+        if attention_is_invariant(q, k, v, paddings):
+            return paddings
+    return None
 
 
 class InvariantRows:
