@@ -89,7 +89,8 @@ def fewest_rows(model, most):
     """The fewest rows from which each of the model's row-wise layers gives a row the same values in a call of up
     to `most` rows; None if some layer differs at a count that padding cannot step over. The layers: the first
     block's (every block repeats them), the final norm and the lm_head, each fed random rows of its width."""
-    block, width, hidden = model.transformer.h[0], model.config.n_embd, model.config.n_embd * 4
+    block, width = model.transformer.h[0], model.config.n_embd
+    hidden = block.mlp.c_fc.out_features
     layers = [
         (block.ln_1, width),
         (block.attn.c_attn, width),
