@@ -98,7 +98,9 @@ def sample(logits, settings, position, num_best, uncut):
             return sample(logits, settings, position, 2 * num_best, uncut)
         tokens = ids.gather(1, invert_cdf(x, kept, u))[:, 0].where(sampled & cuts, tokens)
     if uncut:  # every id, in id order
-        x = scale(logits.float(), temperature)
+        # NOTE: clamped where exp underflows float32: torch's CPU exp takes a slow path there, up to 60x the time
+        # (docs/floor_and_sampling.md); what it clamps is ~exp(-87) or less of the best id's weight, absorbed in the CDF
+        x = scale(logits.float(), temperature).clamp_(-87.0)
         alone = sampled & ~cuts & (top_p < 1)  # top-p alone: where to cut, from the row's every value sorted
         least[alone] = cut_value(sorted_values(x[alone]), top_k[alone], top_p[alone], least[alone])
         tokens = invert_cdf(x, least, u)[:, 0].where(sampled & ~cuts, tokens)

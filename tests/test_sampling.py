@@ -208,6 +208,27 @@ def test_the_draw_is_the_inverse_cdf_of_the_kept_distribution_at_our_uniform():
     assert most > 10  # rows that keep most of the vocabulary
 
 
+def test_rows_spanning_past_exps_range_draw_the_inverse_cdf_computed_without_a_clamp():
+    """Peaked rows at a low temperature (a trained model's, at 0.1): their scaled logits span ~400, where float32's
+    exp underflows, and sample() clamps an uncut row's at -87 (torch's CPU exp is slow where it underflows). Every
+    draw, temperature alone, with min-p and with top-p, is still the inverse CDF of the kept distribution at our
+    uniform, computed here in float64 from the unclamped values."""
+    torch.manual_seed(3)
+    R, V, temperature = 16, 3000, 0.1
+    logits = torch.randn(R, V) * 8
+    position, seed = torch.arange(R) + 40, torch.arange(R) + 11
+    u = uniform(seed, position).double()
+    assert ((logits.amax(-1) - logits.amin(-1)) / temperature).min() > 300
+    for top_p, min_p in [(1.0, 0.0), (1.0, 1e-30), (0.9, 0.0), (0.999, 0.0)]:
+        tokens = sample(logits, rows(temperature, 0, seed, top_p, min_p), position, 0, True)
+        for i in range(R):
+            kept = sorted(kept_ids(logits[i : i + 1], temperature, None, top_p, min_p))
+            x = (logits[i].double() - logits[i].max()) / temperature
+            cdf = x[kept].exp().cumsum(0)
+            column = min(int((cdf <= u[i] * cdf[-1]).sum()), len(kept) - 1)
+            assert int(tokens[i]) == kept[column], (top_p, min_p, i)
+
+
 @pytest.mark.parametrize("top_p, min_p", [(0.7, 0.0), (1.0, 0.1), (0.9, 0.05)])
 def test_top_p_and_min_p_draw_the_same_alone_and_in_a_batch(model, top_p, min_p):
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9], [3, 2]]
