@@ -20,12 +20,14 @@ class GPTConfig:
     gelu: str = "exact"  # GPT-2's own weights were trained with the tanh approximation: "tanh"
 
 
-def attend(q, k, v, q_pos):
+def attend(q, k, v, q_pos=None):
     """q: (B, Q, H, D), k/v: (B, L, H, D), q_pos: (B, Q) -> (B, Q, H, D). Key j is visible to a query at
-    position p iff j <= p: causal, and blind to padding, as no query sits past its row's last key."""
-    visible = torch.arange(k.size(1), device=q.device) <= q_pos[..., None]  # (B, Q, L)
+    position p iff j <= p: causal, and blind to padding, as no query sits past its row's last key. Without
+    q_pos every key is visible (and SDPA takes no mask)."""
+    # (B, 1, Q, L): one mask for every head
+    visible = None if q_pos is None else torch.arange(k.size(1), device=q.device) <= q_pos[:, None, :, None]
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, *, D)
-    y = F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None])
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
     return y.transpose(1, 2)
 
 

@@ -63,9 +63,10 @@ class GraphBatch(PagedBatch):
     position 0, written to and read from the padding block. What the graph reads is in `inputs`."""
 
     def __init__(self, plan, samplers, device, kv_pool, block_tables, inputs):
-        # built on the host (stage), then padded to the graph's shape, not to compile's 2 rows and blocks
+        # built on the host (stage), then padded to the graph's shape
         super().__init__(plan, samplers, device, kv_pool, block_tables, compiled=False)
         self.compiled = True
+        self.lone = None  # a graph reads its fixed inputs, never a lone row's slots in place
         self.inputs = inputs
         B, W = inputs.one_token_table.shape
         self.padded_shape = (B, W)
@@ -90,6 +91,12 @@ class GraphBatch(PagedBatch):
 
     def stage(self, *arrays):  # the host arrays: the constructor pads and stages them
         return arrays
+
+    def pad(self, table, kv_len, rows, width):
+        """table (B, W), kv_len (B,) -> (rows, width), (rows,): padding rows read one key of the padding block."""
+        padding = self.k_pool.shape[1] - 1  # the padding block
+        table = np.pad(table, ((0, rows - len(table)), (0, width - table.shape[1])), constant_values=padding)
+        return table, np.pad(kv_len, (0, rows - len(kv_len)), constant_values=1)
 
 
 class FlexBatch(GraphBatch):

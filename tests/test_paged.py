@@ -207,8 +207,8 @@ def test_prepare_turns_off_cudnn_attention_which_plans_every_new_shape_and_engin
 
 def test_compiled_decode_on_the_cpu_equals_eager_with_one_graph_and_no_recompiles(model):
     """Inductor on the CPU: the same greedy tokens as eager and as the baseline, with scattered block tables
-    (preemption under a small pool, LIFO reuse), decode batches that shrink to one padded row, and steps
-    that mix decode and chunks. The dynamic graph compiles once; nothing recompiles in the steady state."""
+    (preemption under a small pool, LIFO reuse), decode batches that shrink to one row (which runs eagerly), and
+    steps that mix decode and chunks. The dynamic graph compiles once; nothing recompiles in the steady state."""
     from torch._dynamo.utils import counters
 
     rng = random.Random(5)
@@ -238,3 +238,30 @@ def test_no_step_attention_falls_back_to_sdpas_math_path(model):
     calls = {e.key: e.count for e in prof.key_averages() if "scaled_dot_product" in e.key}
     assert calls.get("aten::_scaled_dot_product_flash_attention_for_cpu", 0) > 0, calls
     assert "aten::_scaled_dot_product_attention_math" not in calls, calls
+
+
+def test_a_lone_row_reads_its_blocks_in_place_where_they_follow_each_other_and_gives_the_baselines_tokens(model):
+    """At batch 1 a decode row whose blocks follow each other (as the LIFO allocator hands a lone sequence them)
+    attends over its own slots of the pool, in place and with no mask; one whose blocks do not (two sequences grew
+    side by side, then one finished) gathers them. Both give the contiguous baseline's tokens, greedy and sampled,
+    and the in-place keys are the pool's own memory."""
+    steps = []
+
+    class Recording(PagedEngine):
+        def make_batch(self, plan, samplers):
+            batch = super().make_batch(plan, samplers)
+            steps.append((batch.num_one_token, batch.lone is not None))
+            if batch.lone:
+                slots = self.kv_pool[0, 0].flatten(0, 1)[batch.lone]
+                assert slots.data_ptr() - self.kv_pool.data_ptr() == batch.lone.start * slots[0].numel() * 8
+                assert len(slots) == batch.kv_lens[0]
+            return batch
+
+    prompts, news = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9]], [20, 6]
+    for temperature, top_k in [(0.0, None), (1.0, 30)]:
+        want = baseline(model, prompts, news, temperature, top_k)
+        for max_batch in (1, 2):
+            engine = Recording(model, num_blocks=40, block_size=2, max_batch=max_batch, compile="off")
+            assert run_engine(engine, make_requests(prompts, news, temperature, top_k), check=True) == want
+    assert (1, True) in steps and (1, False) in steps  # both paths ran at batch 1
+    assert all(rows == 1 for rows, lone in steps if lone)
