@@ -168,6 +168,8 @@ class InvariantRows:
 
     min_rows, paddings = 1, (32, 2)
 
+    lone_in_place = False  # padded_chunks': a lone chunk too attends in the padded call's shapes
+
     def __init__(self, plan, samplers, *args):
         super().__init__(plan, samplers, *args)
         self.num_tokens, self.num_logit_rows = len(self.idx), len(self.logit_rows)

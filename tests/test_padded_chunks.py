@@ -91,6 +91,40 @@ def test_padded_chunks_give_the_models_own_logprobs(model):
     assert engine.padded_steps > 0 and engine.meter.cached_tokens > 0
 
 
+def test_a_lone_chunk_reads_its_blocks_in_place_and_gives_the_cores_tokens_and_the_models_logprobs(model):
+    """A step whose one short chunk is its sequence's alone (a speculating sequence's verify rows at batch 1, a
+    scored prompt's chunk after its first) attends over its own slots in the pool, in place and unpadded, where its
+    blocks follow each other; where they do not (two sequences grew side by side, then one finished) it goes
+    through the padded call. Greedy speculation gives plain decoding's tokens both ways, and the scored prompts
+    the model's own logprobs (float64)."""
+    steps = []
+
+    class Recording:
+        def make_batch(self, plan, samplers):
+            batch = super().make_batch(plan, samplers)
+            if len(getattr(batch, "padded", [])) == 1:
+                steps.append(batch.lone_slots is not None)
+            return batch
+
+    rng = random.Random(4)
+    prompts = [[rng.randrange(300) for _ in range(6)] * 3 for _ in range(3)]  # repeats: proposals get accepted
+    news = [24, 10, 30]
+    speculating = type("Speculating", (Recording, engine_class(speculative=True)), {})
+    for max_batch in (1, 2):
+        engine = speculating(model, num_blocks=80, block_size=2, max_batch=max_batch, num_speculative_tokens=3)
+        assert run_engine(engine, make_requests(prompts, news), check=True) == baseline(model, prompts, news)
+        assert engine.meter.accepted_tokens > 0
+    assert True in steps and False in steps
+    steps.clear()
+    scoring = type("Scoring", (Recording, engine_class(logprobs=True)), {})
+    engine = scoring(model, num_blocks=80, block_size=4, max_batch=1, token_budget=8)  # prompts in chunks of 8
+    requests = [Request(p, n, SamplingParams(logprobs=2, prompt_logprobs=1)) for p, n in zip(prompts, news)]
+    run_engine(engine, requests)
+    for r in requests:
+        check_request(model, r)
+    assert True in steps
+
+
 def test_fresh_runs_group_side_by_side_prompts_of_one_length_from_their_start():
     def chunk(start, length, num_cached=0):
         return Chunk(0, start, start + length, num_cached)
