@@ -156,7 +156,8 @@ def test_paged_equals_contiguous_token_for_token(model, block_size, token_budget
 @pytest.mark.parametrize("compile", ["off", "on", "graph"])
 def test_paged_on_cuda_equals_the_cpu_engines_token_for_token(model, compile):
     """The engine on a GPU (the float64 model, its pool, tables and sampling on the device) against the
-    contiguous baseline on the CPU, greedy and sampled, in a roomy pool and in one that preempts; then n
+    contiguous baseline on the CPU, greedy and sampled, in a roomy pool, in one that preempts and one sequence at
+    a time (a lone row reads its blocks in place); then n
     samples and beams, every sequence, against the paged engine on the CPU."""
     cuda_model = copy.deepcopy(model).cuda()
     prompts, news, arrivals = random_workload(7, 12)
@@ -169,6 +170,8 @@ def test_paged_on_cuda_equals_the_cpu_engines_token_for_token(model, compile):
             requests = make_requests(prompts, news, temperature, top_k)
             assert run_engine(engine, requests, arrivals, check=True) == want
         assert engine.meter.num_preemptions > 0
+        alone = ServingEngine(cuda_model, num_blocks=400, block_size=4, max_batch=1, compile=compile)  # lone rows
+        assert run_engine(alone, make_requests(prompts, news, temperature, top_k), check=True) == want
 
     def forks():
         samples = [
