@@ -157,8 +157,8 @@ def test_paged_equals_contiguous_token_for_token(model, block_size, token_budget
 def test_paged_on_cuda_equals_the_cpu_engines_token_for_token(model, compile):
     """The engine on a GPU (the float64 model, its pool, tables and sampling on the device) against the
     contiguous baseline on the CPU, greedy and sampled, in a roomy pool, in one that preempts and one sequence at
-    a time (a lone row reads its blocks in place); then n
-    samples and beams, every sequence, against the paged engine on the CPU."""
+    a time (a lone row reads its blocks in place); then n samples and beams, every sequence, against the paged
+    engine on the CPU."""
     cuda_model = copy.deepcopy(model).cuda()
     prompts, news, arrivals = random_workload(7, 12)
     for temperature, top_k in [(0.0, None), (1.0, 30)]:
