@@ -106,6 +106,28 @@ def test_prepare_packs_the_callers_big_linears_and_engines_never_serve_a_stale_p
         assert run_engine(after, make_requests(prompts, news)) == changed
 
 
+def test_prepare_copies_a_narrow_float32_weight_k_major_for_mkl_and_it_computes_what_the_linear_does():
+    """A packed float32 linear of at most MKL_MAX_INPUTS inputs (the shipped model's lm_head, 128 -> 2,048) keeps
+    a K-major copy for MKL instead of oneDNN's layout; wider ones and bf16 keep oneDNN's. Each computes what
+    F.linear does, and the engine gives an unprepared copy's greedy tokens; a weight changed since is not used."""
+    model = tiny_gpt(seed=3, dtype=torch.float32, n_embd=128, n_head=4, vocab_size=1024)  # lm_head: 2**17 weights
+    fresh = tiny_gpt(seed=3, dtype=torch.float32, n_embd=128, n_head=4, vocab_size=1024)
+    prepare(model)
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert packed == [model.lm_head] and model.lm_head.k_major and model.lm_head.packed_weight.shape == (128, 1024)
+    x = torch.randn(5, 128)
+    with torch.no_grad():
+        torch.testing.assert_close(model.lm_head(x), torch.nn.functional.linear(x, model.lm_head.weight))
+    prompts, news = [[5, 6, 7, 8, 9], list(range(1, 20)), [42]], [12, 8, 16]
+    want = run_engine(ContiguousEngine(fresh), make_requests(prompts, news))
+    assert run_engine(PagedEngine(model, num_blocks=40, block_size=4), make_requests(prompts, news)) == want
+    with torch.no_grad():
+        model.lm_head.weight.mul_(-1.0)  # the copy is stale: F.linear runs, on the weight as it is now
+        assert torch.equal(model.lm_head(x), torch.nn.functional.linear(x, model.lm_head.weight))
+    wide = prepare(tiny_gpt(seed=3, dtype=torch.float32, n_embd=256, n_head=4, vocab_size=1024))
+    assert not wide.lm_head.k_major
+
+
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 def test_prepare_gives_small_gelus_torchs_own_kernel_with_gelus_values_and_leaves_the_switch_as_it_was(approximate):
     """prepare swaps each nn.GELU for a SmallGELU of the same approximation, which turns oneDNN off around its own
