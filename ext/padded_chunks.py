@@ -47,13 +47,14 @@ def few_padding(chunks):
     return len(lengths) * max(lengths, default=0) <= 2 * sum(lengths)
 
 
-def slots_in_place(block_table, num_keys, block_size):
-    """The slots of a sequence's first num_keys keys as one slice of the pool's (flattened) slots, where its blocks
-    follow each other (as the LIFO allocator hands a lone sequence them); else None."""
-    blocks = block_table[: blocks_for(num_keys, block_size)]
-    if blocks != list(range(blocks[0], blocks[0] + len(blocks))):
+def slots_in_place(blocks, num_keys, block_size):
+    """blocks: (W,) a sequence's block table, a host array -> the slots of its first num_keys keys as one slice of
+    the pool's (flattened) slots, where its blocks follow each other (as the LIFO allocator hands a lone sequence
+    them, and as PagedBatch checks a lone decode row's); else None."""
+    blocks = blocks[: blocks_for(num_keys, block_size)]
+    if not (np.diff(blocks) == 1).all():
         return None
-    return slice(blocks[0] * block_size, blocks[0] * block_size + num_keys)
+    return slice(int(blocks[0]) * block_size, int(blocks[0]) * block_size + num_keys)
 
 
 def fresh_runs(chunks, skip):
@@ -88,10 +89,8 @@ class PaddedChunks:
         # in place, unpadded, where its blocks follow each other; on a CPU (on CUDA once a GPU has measured it)
         if len(self.padded) == 1 and self.lone_in_place and self.k_pool.device.type == "cpu":
             chunk = self.chunks[self.padded[0]]
-            block_table = plan[chunk.entry].sequence.block_table
-            self.lone_slots = slots_in_place(
-                block_table, chunk.num_cached + chunk.end - chunk.start, self.k_pool.shape[2]
-            )
+            blocks = self.table[chunk.entry].numpy()  # on a CPU, the host array it was staged from
+            self.lone_slots = slots_in_place(blocks, chunk.num_cached + chunk.end - chunk.start, self.k_pool.shape[2])
         if not self.padded or self.lone_slots:
             return
         chunks = [self.chunks[i] for i in self.padded]
