@@ -20,7 +20,7 @@ class PackedLinear(nn.Linear):
     the nn.Linear it replaces, so weight tying and checkpoints are unchanged. A float32 weight of at most
     MKL_MAX_INPUTS inputs is copied K-major instead and multiplied by MKL: oneDNN's call costs ~20 us, and at so
     few inputs its layout gains nothing back (the shipped model's lm_head, 128 -> 2,048: 26 against 7 us at one
-    row, 127 against 96 at 64; batch-1 decoding 1.14x: docs/vllm.md#the-lm-head-through-mkl-2026-11-28)."""
+    row, 127 against 96 at 64; batch-1 decoding 1.12x: docs/vllm.md#the-lm-head-through-mkl-2026-11-28)."""
 
     packed_version = None  # the weight's version the packed copy was made from: a weight changed since is not used
 
