@@ -181,8 +181,7 @@ class InvariantRows:
         return pad_rows(super().attend(layer, q[:n], k[:n], v[:n]), len(q))
 
     def attend_one_token(self, layer, q):
-        B = len(q)
-        table, kv_len = self.one_token_table[:B], self.one_token_len[:B]
+        table, kv_len = self.one_token_table, self.one_token_len
         keys, values = (gather_kv(pool[layer], table) for pool in (self.k_pool, self.v_pool))  # (B, L, H, D)
         return invariant_attend(q[:, None], keys, values, kv_len[:, None] - 1, *self.paddings)[:, 0]
 
