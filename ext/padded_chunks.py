@@ -90,7 +90,11 @@ class PaddedChunks:
         if len(self.padded) == 1 and self.lone_in_place and self.k_pool.device.type == "cpu":
             chunk = self.chunks[self.padded[0]]
             blocks = self.table[chunk.entry].numpy()  # on a CPU, the host array it was staged from
-            self.lone_slots = slots_in_place(blocks, chunk.num_cached + chunk.end - chunk.start, self.k_pool.shape[2])
+            num_keys = chunk.num_cached + chunk.end - chunk.start
+            self.lone_slots = slots_in_place(blocks, num_keys, self.k_pool.shape[2])
+        if self.lone_slots:  # its mask once a step, not once a layer: 0 where a query sees a key, else -inf
+            unseen = np.arange(num_keys) > np.arange(chunk.num_cached, num_keys)[:, None]  # (n, L)
+            self.lone_mask = torch.from_numpy(np.where(unseen, -np.inf, 0.0)).to(self.k_pool.dtype)[None, None]
         if not self.padded or self.lone_slots:
             return
         chunks = [self.chunks[i] for i in self.padded]
@@ -133,10 +137,12 @@ class PaddedChunks:
 
     def attend_padded(self, layer, q):
         """The padded chunks in one call -> {chunk index: its (n, H, D)}."""
-        if self.lone_slots:  # one chunk, its keys in place: (1, L, H, D) each
+        if self.lone_slots:  # one chunk, its keys in place: (L, H, D) each
             a, b = self.chunks[self.padded[0]].start, self.chunks[self.padded[0]].end
-            keys, values = (pool[layer].flatten(0, 1)[None, self.lone_slots] for pool in (self.k_pool, self.v_pool))
-            return {self.padded[0]: attend(q[None, a:b], keys, values, self.positions[None, a:b])[0]}
+            keys, values = (pool[layer].flatten(0, 1)[self.lone_slots] for pool in (self.k_pool, self.v_pool))
+            rows = (t.transpose(0, 1)[None] for t in (q[a:b], keys, values))  # (1, H, n or L, D)
+            y = F.scaled_dot_product_attention(*rows, attn_mask=self.lone_mask)
+            return {self.padded[0]: y[0].transpose(0, 1)}
         keys = gather_kv(self.k_pool[layer], self.padded_table)  # (R, L, H, D)
         values = gather_kv(self.v_pool[layer], self.padded_table)
         y = attend(q[self.padded_index], keys, values, self.padded_pos)  # (R, Q, H, D)
