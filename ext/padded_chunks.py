@@ -16,7 +16,7 @@ until a GPU has measured it.
 
 A step whose one padded chunk is its sequence's alone (batch-1 speculation's verify rows) reads its keys in
 place where its blocks follow each other, as the core's lone decode row does (slots_in_place): no gather, no
-padding, 1.10x a batch-1 speculating run (docs/speculation.md). On a CPU; on CUDA once a GPU has measured it.
+padding, its mask built once a step: 1.16x a batch-1 speculating run (docs/speculation.md). On a CPU; on CUDA once a GPU has measured it.
 
 Padding changes nothing a row's real tokens see: a padding query repeats its row's last token, and a row's keys
 past its own are masked (model.attend), as in the one-token call. The products run over a padded shape, so a
