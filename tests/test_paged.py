@@ -230,6 +230,36 @@ def test_compiled_decode_on_the_cpu_equals_eager_with_one_graph_and_no_recompile
     assert run_engine(eager, make_requests(prompts, news)) == expected
 
 
+def test_warm_up_runs_a_compiled_decode_step_so_that_the_run_after_it_compiles_nothing(model):
+    """The command line's warm-up (harness.serving.warm_up) serves tiny prompts before anything is timed: their
+    decode step must take the compiled decode attention, which starts at 2 rows of 2 blocks, so that the timed
+    run compiles nothing."""
+    import gc
+
+    from torch._dynamo.utils import counters
+
+    from harness.serving import warm_up
+
+    compiled = []
+
+    class Recording(PagedEngine):
+        def make_batch(self, plan, samplers):
+            batch = super().make_batch(plan, samplers)
+            compiled.append(batch.compiled)
+            return batch
+
+    try:
+        warm_up(Recording(model, num_blocks=40, block_size=4, compile="on"), 4)
+    finally:
+        gc.unfreeze()  # warm_up freezes the heap, as a served process does
+    assert any(compiled), "the warm-up ran no compiled decode step"
+    graphs = counters["stats"]["unique_graphs"]
+    engine = PagedEngine(model, num_blocks=40, block_size=4, compile="on")
+    prompts, news = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [4, 5, 6], [7, 8, 9, 10, 11]], [9, 12, 7]
+    assert run_engine(engine, make_requests(prompts, news)) == baseline(model, prompts, news)
+    assert counters["stats"]["unique_graphs"] == graphs, "the run compiled"
+
+
 def test_no_step_attention_falls_back_to_sdpas_math_path(model):
     """On the CPU, SDPA's fused kernel takes only 4-D inputs: a 3-D call silently runs its math path, which
     took 4.1 ms against 0.7 ms for one fresh 300-token chunk at 4 heads of 32 (torch 2.13). Fresh chunks,
