@@ -8,7 +8,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from model import attend
+from model import attend, visible_keys
 
 
 def longs(values):
@@ -88,4 +88,4 @@ class StepBatch:
             y = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True)
             return y[0].transpose(0, 1)
         keys, values = self.chunk_kv(layer, chunk)  # a chunk after cached tokens reads them back
-        return attend(q[None, a:b], keys, values, self.positions[None, a:b])[0]
+        return attend(q[None, a:b], keys, values, visible_keys(keys, self.positions[None, a:b]))[0]

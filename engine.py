@@ -71,7 +71,7 @@ class Engine:
         self.waiting = deque()  # sequences
         self.running = []  # sequences, in the order they started
         # each running sequence holds a row of settings (sampling.sample's), so a step reads them without copying
-        self.free_rows = list(range(max_batch))[::-1]
+        self.free_rows = list(reversed(range(max_batch)))
         self.settings = torch.zeros(max_batch, 5, dtype=torch.float64, device=self.device)
 
     def notify(self, event, *args):  # each observer has a method for every event (harness/observer.py)

@@ -20,14 +20,18 @@ class GPTConfig:
     gelu: str = "exact"  # GPT-2's own weights were trained with the tanh approximation: "tanh"
 
 
-def attend(q, k, v, q_pos=None):
-    """q: (B, Q, H, D), k/v: (B, L, H, D), q_pos: (B, Q) -> (B, Q, H, D). Key j is visible to a query at
-    position p iff j <= p: causal, and blind to padding, as no query sits past its row's last key. Without
-    q_pos every key is visible (and SDPA takes no mask)."""
-    # (B, 1, Q, L): one mask for every head
-    visible = None if q_pos is None else torch.arange(k.size(1), device=q.device) <= q_pos[:, None, :, None]
+def visible_keys(keys, q_pos):
+    """keys: (B, L, H, D), q_pos: (B, Q) each query's position -> (B, 1, Q, L), one mask for every head: key j
+    is visible to a query at position p iff j <= p. Causal, and blind to a row's padded end, as no query sits past
+    its row's last key."""
+    return torch.arange(keys.size(1), device=keys.device) <= q_pos[:, None, :, None]
+
+
+def attend(q, k, v, mask=None):
+    """q: (B, Q, H, D), k/v: (B, L, H, D), mask: broadcast to (B, H, Q, L), True (or 0, if additive) where a key
+    is visible, as visible_keys builds it -> (B, Q, H, D). Without a mask every key is visible (SDPA takes none)."""
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, *, D)
-    y = F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     return y.transpose(1, 2)
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from batch import StepBatch
-from model import attend
+from model import attend, visible_keys
 
 
 def blocks_for(num_tokens, block_size):
@@ -28,7 +28,7 @@ class BlockAllocator:
     def __init__(self, num_blocks, block_size):
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.clean = list(range(num_blocks))[::-1]  # a stack: block 0 goes out first
+        self.clean = list(reversed(range(num_blocks)))  # a stack: block 0 goes out first
         self.cached_free = OrderedDict()  # free blocks still holding hashed K/V, oldest release first
         self.ref_count = [0] * num_blocks
         self.hash_of = {}  # block -> hash of its content, prefix included
@@ -188,7 +188,9 @@ class PagedBatch(StepBatch):
             return attend(q[:, None], keys, values)[:, 0]
         if not self.compiled:  # copy whole blocks out, then SDPA
             keys, values = (gather_kv(pool, table) for pool in pools)  # (B, L, H, D)
-            return attend(q[:, None], keys, values, kv_len[:, None] - 1)[:, 0]
+            if layer == 0:  # NOTE: the rows' mask once a step, additive: SDPA converts a boolean one at every call
+                self.mask = visible_keys(keys, kv_len[:, None] - 1).to(q.dtype).log()  # 0 (log 1) or -inf
+            return attend(q[:, None], keys, values, self.mask)[:, 0]
         for t in (q, table, kv_len, *pools):  # one graph for every batch, width and pool size
             torch._dynamo.maybe_mark_dynamic(t, 0)
         torch._dynamo.maybe_mark_dynamic(table, 1)

@@ -34,9 +34,9 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from batch import attend
 from bench.gpu import flex_block_mask
 from bench.vllm_compare import cpu_line, read_bandwidth
+from model import attend, visible_keys
 from paged import blocks_for, gather_attend, gather_kv
 
 BLOCK_SIZE = 16
@@ -93,7 +93,7 @@ def ragged_gather_attend(q, k_pool, v_pool, pair_block, pair_row, pair_len, pair
 def eager_attend(q, k_pool, v_pool, block_table, kv_len):
     k = gather_kv(k_pool, block_table)  # (B, L, H, D)
     v = gather_kv(v_pool, block_table)
-    return attend(q[:, None], k, v, kv_len[:, None] - 1)[:, 0]
+    return attend(q[:, None], k, v, visible_keys(k, kv_len[:, None] - 1))[:, 0]
 
 
 def flex_inputs(q, k_pool, v_pool, table, kv_len):

@@ -36,7 +36,7 @@ from engine import PlanEntry, Sampler
 from harness.checkpoints import get_tokenizer, load_checkpoint
 from harness.serving import workload
 from harness.tuning import prepare
-from model import GPT, GPTConfig, attend
+from model import GPT, GPTConfig, attend, visible_keys
 from paged import blocks_for
 from scheduler import PagedEngine
 from sequence import Request, SamplingParams
@@ -67,7 +67,7 @@ class FloorBatch(StepBatch):
 
     def attend_one_token(self, layer, q):
         k, v = self.single[layer]
-        return attend(q[:, None], k, v, self.decode_pos)[:, 0]
+        return attend(q[:, None], k, v, visible_keys(k, self.decode_pos))[:, 0]
 
     def chunk_kv(self, layer, chunk):
         return self.cached[chunk.entry][layer]

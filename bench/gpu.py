@@ -57,7 +57,7 @@ from ext.cuda import GraphBatch
 from ext.flex_decode import flex_attend, flex_block_mask
 from harness.checkpoints import to_transformers
 from harness.serving import cuda_defaults
-from model import GPT, GPTConfig, attend
+from model import GPT, GPTConfig, attend, visible_keys
 from paged import BlockAllocator, blocks_for, compiled_gather_attend, gather_kv
 from sequence import Request
 
@@ -197,11 +197,16 @@ def attention_row(B, L, block_size=16):
     k, v = (gather_kv(pool, table).transpose(1, 2).contiguous() for pool in (k_pool, v_pool))  # (B, H, L, D)
     mask = flex_block_mask(table, kv_len, len(k_pool), block_size)
     flex_inputs = [t.detach() for t in (q, k_pool, v_pool)]  # new tensor objects: static, not marked dynamic
+
+    def eager():  # the engine's eager path: whole blocks gathered (copies), then SDPA
+        keys, values = gather_kv(k_pool, table), gather_kv(v_pool, table)  # (B, L, H, D)
+        return attend(q[:, None], keys, values, visible_keys(keys, kv_len[:, None] - 1))[:, 0]
+
     ways = (
         lambda: compiled_gather_attend()(q, k_pool, v_pool, table, kv_len),
         lambda: compiled_split()(q, k_pool, v_pool, table, kv_len),
         lambda: flex_attend(DEVICE)(*flex_inputs, mask),  # compiled on CUDA, as decode_attention="flex" runs it
-        lambda: attend(q[:, None], gather_kv(k_pool, table), gather_kv(v_pool, table), kv_len[:, None] - 1)[:, 0],
+        eager,
         lambda: F.scaled_dot_product_attention(q[:, :, None], k, v)[:, :, 0],
     )
     want = ways[-1]().float()

@@ -18,7 +18,7 @@ chunk) runs as before."""
 import torch
 
 from batch import longs
-from model import attend
+from model import attend, visible_keys
 from paged import blocks_for
 
 MAX_ROWS = 8  # steps of at most this many entries...
@@ -93,7 +93,7 @@ class RowBatch:
         values = self.overlay(self.v_pool[layer], v)
         R, Q = self.row_pos.shape
         q = q.unflatten(0, (R, Q))
-        y = attend(q, keys, values, self.row_pos)  # (R, Q, H, D)
+        y = attend(q, keys, values, visible_keys(keys, self.row_pos))  # (R, Q, H, D)
         return y.flatten(0, 1)
 
     def overlay(self, pool, new):

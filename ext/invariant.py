@@ -28,7 +28,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from model import attend
+from model import attend, visible_keys
 from paged import gather_kv
 
 SMALL_COUNTS = 64  # fewest_rows tries every row count up to this, then LARGE_COUNTS
@@ -59,7 +59,7 @@ def invariant_attend(q, k, v, q_pos, key_multiple, query_multiple):
     if padding:  # none of the kernel's query blocks (32, 64 or 256) is then left with one query
         q = torch.cat([q, q[:, -1:].expand(-1, padding, -1, -1)], 1)
         q_pos = torch.cat([q_pos, q_pos[:, -1:].expand(-1, padding)], 1)
-    return attend(q, k, v, q_pos)[:, :Q]
+    return attend(q, k, v, visible_keys(k, q_pos))[:, :Q]
 
 
 def invariant_causal(q, k, v, key_multiple):

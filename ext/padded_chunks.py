@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from batch import longs
-from model import attend
+from model import attend, visible_keys
 from paged import blocks_for, gather_kv
 
 SHORT = 32  # the most new tokens of a chunk that attends padded: padding costs at most the longest's
@@ -145,7 +145,7 @@ class PaddedChunks:
             return {self.padded[0]: y[0].transpose(0, 1)}
         keys = gather_kv(self.k_pool[layer], self.padded_table)  # (R, L, H, D)
         values = gather_kv(self.v_pool[layer], self.padded_table)
-        y = attend(q[self.padded_index], keys, values, self.padded_pos)  # (R, Q, H, D)
+        y = attend(q[self.padded_index], keys, values, visible_keys(keys, self.padded_pos))  # (R, Q, H, D)
         y = y.flatten(0, 1).index_select(0, self.padded_real)  # (n, H, D): the real tokens
         return dict(zip(self.padded, y.split(self.lengths)))
 

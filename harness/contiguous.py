@@ -8,7 +8,7 @@ from torch.nn.utils.rnn import pad_sequence
 from batch import StepBatch
 from engine import Engine, PlanEntry
 from ext.forks import Forks, num_rows, width
-from model import attend
+from model import attend, visible_keys
 from sequence import SequenceStatus
 
 
@@ -30,7 +30,7 @@ class ContiguousBatch(StepBatch):
         decoding = self.sequences[: self.num_one_token]
         k = pad_sequence([s.k[layer] for s in decoding], batch_first=True)  # (B, L, H, D)
         v = pad_sequence([s.v[layer] for s in decoding], batch_first=True)
-        return attend(q[:, None], k, v, self.decode_pos)[:, 0]
+        return attend(q[:, None], k, v, visible_keys(k, self.decode_pos))[:, 0]
 
     def chunk_kv(self, layer, chunk):
         s = self.sequences[chunk.entry]
