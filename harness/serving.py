@@ -133,11 +133,13 @@ def warm_up(engine, num_sequences):
     if isinstance(engine, PagedEngine) and engine.compile != "off":
         if engine.compile == "step":  # a step of a two-token prompt, then one of its decode: the small steps' graph
             runs.append(("small steps, the whole forward", [Request([0, 0], 2)]))
-        # a decode step of rows over two blocks each, as decode attention compiles from 2 rows of 2 blocks
+        # one-token prompts (they fit any token budget) decoding together into their second blocks, as decode
+        # attention compiles from 2 rows of 2 blocks
+        rows = max(2, engine.compile_from)
         two_blocks = engine.block_size + 2 <= engine.window  # else no step ever reads two blocks
-        if min(engine.max_batch, num_sequences) >= max(2, engine.compile_from) and two_blocks:
-            prompt = [0] * (engine.block_size + 1)
-            runs.append(("decode attention", [Request(prompt, 2) for _ in range(max(2, engine.compile_from))]))
+        room = engine.allocator.num_blocks >= 2 * rows + engine.watermark  # else the rows never decode together
+        if min(engine.max_batch, num_sequences) >= rows and two_blocks and room:
+            runs.append(("decode attention", [Request([0], engine.block_size + 1) for _ in range(rows)]))
     for name, requests in runs:
         what = f"compiling {name} (torch.compile, {engine.device.type}, {engine.kv_pool[0].dtype})"
         with counting_seconds(what):

@@ -230,10 +230,18 @@ def test_compiled_decode_on_the_cpu_equals_eager_with_one_graph_and_no_recompile
     assert run_engine(eager, make_requests(prompts, news)) == expected
 
 
-def test_warm_up_runs_a_compiled_decode_step_so_that_the_run_after_it_compiles_nothing(model):
+@pytest.mark.parametrize(
+    "sizes, compile",
+    [
+        (dict(num_blocks=40, block_size=4), "on"),
+        # auto on a CPU compiles from 16 rows; 16 prompts of a block and more would not fit this token budget
+        (dict(num_blocks=40, block_size=8, token_budget=64, prefix_cache=False), "auto"),
+    ],
+)
+def test_warm_up_runs_a_compiled_decode_step_so_that_the_run_after_it_compiles_nothing(model, sizes, compile):
     """The command line's warm-up (harness.serving.warm_up) serves tiny prompts before anything is timed: their
-    decode step must take the compiled decode attention, which starts at 2 rows of 2 blocks, so that the timed
-    run compiles nothing."""
+    decode steps must reach the compiled decode attention, which starts at 2 rows of 2 blocks (16 rows with auto on
+    a CPU), whatever the token budget, so that the timed run compiles nothing."""
     import gc
 
     from torch._dynamo.utils import counters
@@ -249,13 +257,14 @@ def test_warm_up_runs_a_compiled_decode_step_so_that_the_run_after_it_compiles_n
             return batch
 
     try:
-        warm_up(Recording(model, num_blocks=40, block_size=4, compile="on"), 4)
+        warm_up(Recording(model, **sizes, compile=compile), 64)
     finally:
         gc.unfreeze()  # warm_up freezes the heap, as a served process does
     assert any(compiled), "the warm-up ran no compiled decode step"
     graphs = counters["stats"]["unique_graphs"]
-    engine = PagedEngine(model, num_blocks=40, block_size=4, compile="on")
-    prompts, news = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [4, 5, 6], [7, 8, 9, 10, 11]], [9, 12, 7]
+    engine = PagedEngine(model, **sizes, compile=compile)
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [4, 5, 6], [7, 8, 9, 10, 11]] * 6
+    news = [9, 12, 7] * 6
     assert run_engine(engine, make_requests(prompts, news)) == baseline(model, prompts, news)
     assert counters["stats"]["unique_graphs"] == graphs, "the run compiled"
 
