@@ -16,10 +16,12 @@ def mix32(x):
 
 
 def uniform(seed, position):
-    """seed, position: (R,) int64 -> (R,) floats in [0, 1), a hash of (seed, position): a sequence's draw at
-    position p is the same whatever runs beside it or ran before."""
+    """seed, position: (R,) int64 -> (R,) floats in (0, 1), a hash of (seed, position): a sequence's draw at
+    position p is the same whatever runs beside it or ran before. Each is the middle of one of 2**23 equal
+    intervals, never 0: the draw's CDF search then never lands on an id of no weight before the first with some
+    (an id at -inf, which sample() clamps to a weight of ~1e-38)."""
     x = mix32((mix32(seed) + position) & UINT32)  # seed: 32 bits, as the engine keeps it
-    return (x >> 8) / 2**24  # 24 bits, each value exact in float32
+    return (x >> 8 | 1) / 2**24  # odd multiples of 2**-24: 24 bits, each value exact in float32
 
 
 def argmax(logits):
@@ -99,7 +101,8 @@ def sample(logits, settings, position, num_best, uncut):
         tokens = ids.gather(1, invert_cdf(x, kept, u))[:, 0].where(sampled & cuts, tokens)
     if uncut:  # every id, in id order
         # NOTE: clamped where exp underflows float32: torch's CPU exp takes a slow path there, up to 60x the time
-        # (docs/floor_and_sampling.md); what it clamps is ~exp(-87) or less of the best id's weight, absorbed in the CDF
+        # (docs/floor_and_sampling.md). A clamped id weighs exp(-87) of the best id's weight (an id at -inf too), never
+        # drawn: before the first id of some weight they sum below the least target (u > 0), after it within rounding
         x = scale(logits.float(), temperature).clamp_(-87.0)
         alone = sampled & ~cuts & (top_p < 1)  # top-p alone: where to cut, from the row's every value sorted
         least[alone] = cut_value(sorted_values(x[alone]), top_k[alone], top_p[alone], least[alone])

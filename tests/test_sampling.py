@@ -58,7 +58,7 @@ def test_sampler_draws_each_token_with_its_softmax_probability_and_top_k_cuts_th
     u = uniform(
         torch.arange(1000).repeat_interleave(100), torch.arange(100).repeat(1000)
     )  # 1,000 seeds x 100 positions
-    assert 0 <= u.min() and u.max() < 1 and abs(u.mean() - 0.5) < 0.005 and abs(u.var() - 1 / 12) < 0.002
+    assert 0 < u.min() and u.max() < 1 and abs(u.mean() - 0.5) < 0.005 and abs(u.var() - 1 / 12) < 0.002
     assert len(u.unique()) > 99_000  # seeds and positions both change the draw
 
 
@@ -227,6 +227,26 @@ def test_rows_spanning_past_exps_range_draw_the_inverse_cdf_computed_without_a_c
             cdf = x[kept].exp().cumsum(0)
             column = min(int((cdf <= u[i] * cdf[-1]).sum()), len(kept) - 1)
             assert int(tokens[i]) == kept[column], (top_p, min_p, i)
+
+
+def test_an_id_at_minus_infinity_is_never_drawn_not_even_at_the_least_uniform():
+    """An uncut row's values are clamped at -87 (so an id at -inf weighs ~1e-38 of the best id): the draw still
+    never lands on it. The hash's least output (the 24 bits 0, at seed 2,745,525 and position 5) gives the least
+    uniform, 2**-24, not 0, whose target lies past any run of such ids at the row's start; nor at a low
+    temperature on an id thousands below the best."""
+    from sampling import mix32
+
+    seed, position = torch.tensor([2_745_525]), torch.tensor([5])
+    assert int(mix32((mix32(seed) + position) & 0xFFFFFFFF)) >> 8 == 0
+    assert float(uniform(seed, position)) == 2**-24
+    logits = torch.linspace(0, -5, 64)[None].repeat(2, 1)
+    logits[0, :3] = float("-inf")
+    logits[1, 0] = -200.0
+    for temperature, top_p in [(1.0, 1.0), (0.001, 1.0), (1.0, 0.999)]:
+        tokens = sample(logits, rows(temperature, 0, seed.expand(2), top_p), position.expand(2), 0, True)
+        assert tokens.tolist() == [3, 1], (temperature, top_p, tokens)  # each row's first id of any weight
+    u = uniform(torch.arange(200_000), torch.full((200_000,), 7))
+    assert u.min() > 0 and u.max() < 1
 
 
 @pytest.mark.parametrize("top_p, min_p", [(0.7, 0.0), (1.0, 0.1), (0.9, 0.05)])
