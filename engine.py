@@ -23,7 +23,7 @@ The seams, each: who calls it -> who overrides it (ext/ unless named).
                             speculative (only verified tokens count)
     sample(logits, ...)     step -> forks (a beam's log-probabilities), logprobs (the asked-for entries)
     append_tokens(...)      step -> forks (beams step as a group), speculative (verify, roll back), logprobs
-    finish(r)               append_tokens -> forks (a beam group's hypotheses)
+    finish(r)               append_tokens, and forks once a beam group's hypotheses are its sequences
     release(s)              stop -> PagedEngine, ContiguousEngine, speculative
     notify(event, ...)      the engine -> its observers (harness/observer.py)
 Beside them: a batch's stage (cuda: one copy) and attend_chunks (padded_chunks, for speculative and logprobs),

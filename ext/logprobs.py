@@ -15,9 +15,9 @@ a long text costs no Python per token beyond its sampler. The prefix cache still
 ends before the first position whose logits are needed (cacheable), so the choices of a multiple-choice question
 share their context's blocks; a position scored once is not scored again after a preemption.
 
-Plugs into the engine at check_extensions, cacheable, samplers, batch_class (short chunks after cached K/V
-attend together: ext/padded_chunks.py), sample and append_tokens. Beams report their scores instead
-(ext/forks.py) and take neither."""
+Plugs into the engine at add (a request's PromptLogprobs), check_extensions, cacheable, samplers, batch_class
+(short chunks after cached K/V attend together: ext/padded_chunks.py), sample and append_tokens. Beams report
+their scores instead (ext/forks.py) and take neither."""
 
 import functools
 from collections.abc import Sequence
@@ -36,7 +36,8 @@ MAX_LOGPROBS = 20  # the most likeliest ids an entry lists, vLLM's default max_l
 
 class Logprob(NamedTuple):
     logprob: float
-    rank: int  # how many ids are as likely or likelier: 1 for the likeliest
+    # the entry's own token: how many ids are as likely or likelier; a listed id: its place (1 for the likeliest)
+    rank: int
 
 
 class PromptSampler(Sampler):
@@ -112,19 +113,21 @@ class Logprobs:
         super().check_extensions(r, replace(p, logprobs=None, prompt_logprobs=None))
 
     def check_logprobs(self, r, p):
+        most = min(MAX_LOGPROBS, self.vocab_size)  # an entry lists ids of the vocabulary only
         for name, n in [("logprobs", p.logprobs), ("prompt_logprobs", p.prompt_logprobs)]:
-            if n is not None and not 0 <= n <= MAX_LOGPROBS:
-                raise ValueError(f"{name} {n} must be in 0..{MAX_LOGPROBS} (vLLM's default max_logprobs)")
+            if n is not None and not 0 <= n <= most:
+                why = f"vLLM's default max_logprobs {MAX_LOGPROBS}, and at most the vocabulary's {self.vocab_size} ids"
+                raise ValueError(f"{name} {n} must be in 0..{most} ({why})")
         if p.prompt_logprobs is not None and not 1 <= p.prompt_logprobs_from <= len(r.prompt):
             why = f"prompt_logprobs_from {p.prompt_logprobs_from} must be in 1..{len(r.prompt)}"
-            raise ValueError(f"{why}, a position of the prompt (the first token has no logprob)")
+            raise ValueError(f"{why}: the first token has no logprob, and from {len(r.prompt)} on none is scored")
         if r.params.num_beams > 1:  # r's own: the forks extension hands p on with its settings at their defaults
             raise ValueError("beams give their scores, not logprobs or prompt_logprobs")
 
     def add(self, r):
+        super().add(r)  # which refuses a request added before: its prompt logprobs stay as they are
         if r.params.prompt_logprobs is not None:
             r.prompt_logprobs = PromptLogprobs(r.prompt, r.params.prompt_logprobs)
-        super().add(r)
 
     def cacheable(self, s):
         """Until its prompt is scored, a sequence computes the positions whose logits score it."""
@@ -279,9 +282,10 @@ def entries(logits, targets, widths, compiled=False):
 
 
 def entry(token, logprob, rank, top_ids, top_logprobs):
-    """vLLM's entry: {token: Logprob(logprob, rank), then each of the likeliest ids: its Logprob, ranked by place}
-    (an id among both keeps its own entry)."""
+    """vLLM's entry: {token: Logprob(logprob, rank), then each of the likeliest ids: its Logprob, ranked by place}.
+    A token among the likeliest stays first and takes its place as its rank, as vLLM's dict does (they differ only
+    where ids tie)."""
     out = {token: Logprob(logprob, rank)}
     for place, (i, value) in enumerate(zip(top_ids, top_logprobs), 1):
-        out.setdefault(i, Logprob(value, place))
+        out[i] = Logprob(value, place)
     return out

@@ -198,6 +198,40 @@ def test_bad_logprobs_settings_are_refused_in_one_line(model, params, message):
         engine.add(Request([1, 2, 3, 4], 2, SamplingParams(**params)))
 
 
+def test_an_entry_asks_no_more_ids_than_the_vocabulary_holds(model):
+    """An engine serving 3 of the model's ids lists at most 3: ids past them (-inf) are never listed."""
+    engine = ServingEngine(model, num_blocks=8, block_size=4, vocab_size=3)
+    with pytest.raises(ValueError, match=r"logprobs 5 must be in 0..3 .*the vocabulary's 3 ids"):
+        engine.add(Request([1, 2], 2, SamplingParams(logprobs=5)))
+    r = Request([1, 2], 2, SamplingParams(logprobs=3, prompt_logprobs=3))
+    run_engine(engine, [r])
+    entries = r.sequences[0].logprobs + list(r.prompt_logprobs)[1:]
+    assert all(set(e) <= {0, 1, 2} and len(e) == 3 for e in entries), entries
+
+
+def test_a_request_added_again_is_refused_and_keeps_its_prompt_logprobs(model):
+    engine = ServingEngine(model, num_blocks=16, block_size=4)
+    r = Request([1, 2, 3, 4, 5], 3, SamplingParams(prompt_logprobs=2, logprobs=1))
+    run_engine(engine, [r])
+    before = list(r.prompt_logprobs)
+    assert before[0] is None and all(before[1:])
+    with pytest.raises(ValueError, match="this request was added before"):
+        engine.add(r)
+    assert list(r.prompt_logprobs) == before
+
+
+def test_a_listed_token_takes_its_place_as_its_rank_as_vllms_entry_does():
+    """The entry's own token keeps its count rank unless it is listed among the likeliest: then, as vLLM's dict
+    comprehension overwrites it, its place (the two differ only where ids tie)."""
+    from ext.logprobs import Logprob, entry
+
+    tied = entry(7, -1.0, 2, [3, 7], [-1.0, -1.0])  # ids 3 and 7 tie: 7's count rank is 2, its place 2
+    assert tied == {7: Logprob(-1.0, 2), 3: Logprob(-1.0, 1)} and list(tied) == [7, 3]
+    tied = entry(3, -1.0, 2, [3, 7], [-1.0, -1.0])  # 3 counts 2 ids as likely, but is listed first
+    assert tied == {3: Logprob(-1.0, 1), 7: Logprob(-1.0, 2)}
+    assert entry(9, -5.0, 40, [3, 7], [-1.0, -2.0])[9] == Logprob(-5.0, 40)  # not listed: its count rank
+
+
 def test_the_bare_core_refuses_logprobs_in_one_line(model):
     with pytest.raises(ValueError, match=r"logprobs 1, prompt_logprobs None: this engine lacks the extension"):
         PagedEngine(model, num_blocks=8, block_size=4).add(Request([1, 2], 2, SamplingParams(logprobs=1)))
