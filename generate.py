@@ -122,7 +122,7 @@ def parser():
     p.add_argument("--json", help="write requests and metrics to this file")
     p.add_argument("--metrics", action="store_true", help="print the metrics table after plain generation")
     p.add_argument("--paged", action="store_true", help="serve with the paged engine (default: contiguous)")
-    p.add_argument("--block-size", type=number_type(1), default=16, help="token slots per KV block")
+    p.add_argument("--block-size", type=number_type(1), help="token slots per KV block (default: 16)")
     p.add_argument(
         "--num-blocks",
         type=number_type(1),
@@ -217,9 +217,17 @@ def parser():
     return p
 
 
+PAGED = "--paged or --compare"
+CONTIGUOUS = "the contiguous baseline: no --paged, or --compare"
+DRAWN = "a drawn workload: --num-requests, or --compare without --prompt or --prompts"
+
+
 def parse_args(argv=None):
     """The flags, checked together: what needs what, what excludes what, and the paths written later."""
     args = parser().parse_args(argv)
+    sweep = args.sweep_block_sizes or args.sweep_preemption
+    paged = args.paged or args.compare or sweep  # a run of the paged engine
+    workload_run = args.num_requests or sweep or (args.compare and not (args.prompt or args.prompts))
     for flag, value, needs, present in [
         ("--reserve", args.reserve, "--kv-budget", args.kv_budget),
         ("--sweep-rates", args.sweep_rates, "--compare", args.compare),
@@ -231,12 +239,25 @@ def parse_args(argv=None):
         ("--preemption swap", args.preemption == "swap", "--swap-blocks N", args.swap_blocks),
         ("--swap-blocks", args.swap_blocks, "--preemption swap", args.preemption == "swap"),
         ("--sweep-preemption", args.sweep_preemption, "--kv-budget", args.kv_budget),
-        ("--num-speculative-tokens", args.num_speculative_tokens, "--paged or --compare", args.paged or args.compare),
+        ("--num-speculative-tokens", args.num_speculative_tokens, PAGED, args.paged or args.compare),
         ("--prompt-lookup-max", args.prompt_lookup_max, "--num-speculative-tokens", args.num_speculative_tokens),
+        # what only the paged engine reads, and what only a drawn workload reads: never silently ignored
+        ("--block-size", args.block_size, PAGED, paged),
+        ("--num-blocks", args.num_blocks, PAGED, paged),
+        ("--token-budget", args.token_budget, PAGED, paged),
+        ("--no-prefix-cache", args.no_prefix_cache, PAGED, paged),
+        (f"--compile {args.compile}", args.compile != "auto", PAGED, paged),
+        ("--preemption swap", args.preemption == "swap", PAGED, paged),
+        ("--reserve", args.reserve, CONTIGUOUS, args.compare or not args.paged),
+        ("--prompt", args.prompt, "no --num-requests, which draws its own prompts", not args.num_requests),
+        ("--prompts", args.prompts, "no --num-requests, which draws its own prompts", not args.num_requests),
+        ("--prompt-len", args.prompt_len, DRAWN, workload_run),
+        ("--new-tokens", args.new_tokens, DRAWN, workload_run),
+        ("--shared-prefix", args.shared_prefix, DRAWN, workload_run),
     ]:
         if value and not present:
             fail(f"{flag} needs {needs}")
-    sweep = args.sweep_block_sizes or args.sweep_preemption
+    args.block_size = args.block_size or 16
     if sweep:
         check_sweep(args, sweep)
     args.prompt_len = args.prompt_len or (16, 128)
@@ -247,14 +268,15 @@ def parse_args(argv=None):
             f"--num-beams {args.num_beams} is greedy beam search, scored per beam: it takes no --num-samples, "
             "--temperature, --top-k, --top-p, --min-p or --logprobs"
         )
-    if not args.top_p <= 1 or not args.min_p <= 1 or (args.logprobs or 0) > 20:
-        fail(f"--top-p {args.top_p} and --min-p {args.min_p} must be at most 1, --logprobs {args.logprobs} at most 20")
+    if not args.top_p <= 1 or not args.min_p <= 1:
+        fail(f"--top-p {args.top_p} and --min-p {args.min_p} must be at most 1")
+    if (args.logprobs or 0) > 20:
+        fail(f"--logprobs {args.logprobs} must be at most 20 (vLLM's default max_logprobs)")
     args.early_stopping = {"false": False, "true": True}.get(args.early_stopping, args.early_stopping)
     args.temperature = (0.0 if args.num_beams > 1 else 0.8) if args.temperature is None else args.temperature
     args.top_k = 200 if args.top_k is None and args.num_beams == 1 else args.top_k
-    if args.kv_budget and args.kv_budget < args.block_size:
+    if paged and args.kv_budget and args.kv_budget < args.block_size:
         fail(f"--kv-budget {args.kv_budget} slots hold no block of --block-size {args.block_size}")
-    workload_run = args.num_requests or sweep or (args.compare and not (args.prompt or args.prompts))
     if workload_run and args.max_new_tokens:
         fail("--max-new-tokens is for your own prompts; a --num-requests workload draws --new-tokens MIN:MAX")
     args.max_new_tokens = args.max_new_tokens or 100
@@ -272,10 +294,15 @@ def main(argv=None):
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.device.split(":")[0] not in ("cpu", "cuda"):
+    kind, _, index = args.device.partition(":")
+    if kind not in ("cpu", "cuda"):
         fail(f"--device {args.device}: this engine runs on cpu or cuda")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
+    if kind == "cuda" and not torch.cuda.is_available():
         fail(f"--device {args.device} asked for, but this torch sees no CUDA GPU")
+    if kind == "cpu" and index:
+        fail(f"--device {args.device}: cpu takes no index")
+    if index and not (index.isdigit() and int(index) < torch.cuda.device_count()):
+        fail(f"--device {args.device}: this machine's CUDA GPUs are cuda:0 to cuda:{torch.cuda.device_count() - 1}")
     if args.export_hf:
         return experiments.export(args)
     model, enc = experiments.load_model(args)

@@ -2,12 +2,13 @@
 block sizes and preemption modes, and what is printed and written of them."""
 
 import json
+import math
 from types import SimpleNamespace
 
 import torch
 
 from harness.checkpoints import export_hf, get_tokenizer, load_checkpoint
-from harness.flags import fail
+from harness.flags import check_arrivals, fail
 from harness.metrics import LABELS, agreement, outputs, returned, speculation, sweep_table, table
 from harness.plots import PoolMap, plot, plot_block_sizes, plot_preemption
 from harness.serving import (
@@ -50,6 +51,23 @@ def read_prompts(args, enc):
     return texts, prompts, [args.max_new_tokens] * len(prompts)
 
 
+def write_json(path, out):
+    """Standard JSON, which has no infinity: a non-finite number (the default request rate, inf) is written as the
+    string Python prints for it, "inf", "-inf" or "nan"."""
+
+    def finite(x):
+        if isinstance(x, float) and not math.isfinite(x):
+            return str(x)
+        if isinstance(x, dict):
+            return {k: finite(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [finite(v) for v in x]
+        return x
+
+    with open(path, "w") as f:
+        json.dump(finite(out), f, indent=1, allow_nan=False)
+
+
 def request_json(texts, requests, enc, speculation=None):
     """The finished requests, with their samples or beams, and what speculative decoding did for each."""
     done = []
@@ -74,15 +92,19 @@ def request_json(texts, requests, enc, speculation=None):
                     text=enc.decode(s.generated),
                     seed=s.seed,
                     **(dict(score=s.score) if r.params.num_beams > 1 else {}),
+                    **(dict(logprobs=sequence_logprobs(s, enc)) if r.params.logprobs is not None else {}),
                 )
                 for s in r.sequences
             ]
         if r in (speculation or {}):
             done[-1]["speculation"] = spec_figures(*speculation[r])
-        if r.params.logprobs is not None:
-            n = r.params.logprobs
-            done[-1]["logprobs"] = [logprobs_json(entry, enc, n) for entry in r.sequences[0].logprobs]
+        if r.params.logprobs is not None:  # the first sample's, as its output_tokens; each sample's in sequences
+            done[-1]["logprobs"] = sequence_logprobs(r.sequences[0], enc)
     return done
+
+
+def sequence_logprobs(s, enc):
+    return [logprobs_json(entry, enc, s.request.params.logprobs) for entry in s.logprobs]
 
 
 def logprobs_json(entry, enc, n):
@@ -187,7 +209,7 @@ def report(args, kinds, texts, prompts, results, enc):
                     if r.params.num_beams > 1
                     else ""
                 )
-                if r in results.speculation:
+                if r in results.speculation and j == 0:  # the request's, over all its samples
                     which += ", " + spec_line(spec_figures(*results.speculation[r]))
                 print(f"--- request {i}{which}, {len(s.generated)} new tokens\n{texts[i]}{enc.decode(s.generated)}")
                 if r.params.logprobs is not None:
@@ -224,8 +246,7 @@ def report(args, kinds, texts, prompts, results, enc):
             out = {"runs": runs}
         else:
             out = {"metrics": runs[kinds[0]], "requests": request_json(texts, requests, enc, results.speculation)}
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        write_json(args.json, out)
     if args.plot:
         plot(results.steps, results.sweep if args.sweep_rates else None, args.plot, workload_name)
         print(f"plot written to {args.plot}")
@@ -242,6 +263,7 @@ def run_sweep(model, enc, args):
     used = LENGTH_MIXES if args.sweep_block_sizes else ["ShareGPT"]
     mixes = ", ".join(f"{mix} prompts {LENGTH_MIXES[mix][0]}, new {LENGTH_MIXES[mix][1]}" for mix in used)
     budget = f"KV budget {args.kv_budget:,} slots" if args.kv_budget else "a pool that holds every request"
+    check_arrivals(args.num_requests, [args.request_rate])
     setup = f"{args.num_requests} requests a run at {args.request_rate:g}/s, {budget}"
     where = f"{args.device}, {args.dtype}, {torch.get_num_threads()} threads"
     print(f"{setup}, seed {args.seed}; {mixes} tokens (MIN, MAX); {LABELS[kind]}, eager attention, {where}")
@@ -254,8 +276,7 @@ def run_sweep(model, enc, args):
         print_preemption(out["preemption"])
         title = f"recompute against swap: ShareGPT's mean lengths / 4; {setup}; {where}"
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        write_json(args.json, out)
     if args.plot:
         (plot_block_sizes if args.sweep_block_sizes else plot_preemption)(next(iter(out.values())), args.plot, title)
         print(f"plot written to {args.plot}")
@@ -289,6 +310,7 @@ def serve_prompts(model, enc, args):
     """Serve --prompt, --prompts or a --num-requests workload with the designs the flags name, then report; an
     interrupt keeps what finished."""
     texts, prompts, news = read_prompts(args, enc)
+    check_arrivals(len(prompts), args.sweep_rates or [args.request_rate])
     kinds = choose_designs(args)
     if args.kv_budget:
         c = model.config  # one slot: one token's K and V in every layer and head
@@ -304,8 +326,7 @@ def serve_prompts(model, enc, args):
     except KeyboardInterrupt:  # keep what finished: the runs done, and the requests done in this one
         done = request_json(texts, results.requests, enc)
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"interrupted": True, "runs": results.runs, "requests": done}, f, indent=1)
+            write_json(args.json, {"interrupted": True, "runs": results.runs, "requests": done})
         fail(
             f"interrupted: {len(done)} of {len(results.requests)} requests of this run had finished"
             + (f"; they and the finished runs are in {args.json}" if args.json else "")

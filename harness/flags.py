@@ -49,7 +49,21 @@ def span(text):
 
 
 def rates(text):
-    return [number_type(above=0, kind=float)(r) for r in text.split(",")]
+    return [number_type(above=0, kind=float)(r) for r in text.split(",")]  # finite: a sweep plots each rate
+
+
+MAX_ARRIVAL_S = 3600  # a run's requests arrive within an hour: a slower rate would leave the run silent for hours
+
+
+def check_arrivals(num_requests, rates):
+    """Poisson arrivals at the slowest rate spread num_requests over ~num_requests / rate seconds: at most an hour."""
+    slowest = min(rates)
+    if num_requests / slowest > MAX_ARRIVAL_S:
+        least = num_requests / MAX_ARRIVAL_S
+        fail(
+            f"request rate {slowest:g}/s: {num_requests} requests would take ~{num_requests / slowest:.3g} s to arrive; "
+            f"a run's arrivals last at most an hour, a rate of at least {least:.3g}/s"
+        )
 
 
 def block_sizes(text):
@@ -83,6 +97,8 @@ def check_image_name(flag, path):
 
 def prepare_output(flag, path):
     """Make the folder that `path` will be written to, if missing, or fail in one line: now, not after the run."""
+    if path.endswith(os.sep) or os.path.isdir(path):
+        fail(f"{flag} {path}: a folder; name the file to write")
     folder = os.path.dirname(os.path.abspath(path))
     try:
         os.makedirs(folder, exist_ok=True)

@@ -21,7 +21,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed")  # the generation kwargs the engine takes, but until
 
 
-def check_model_args(unknown, dtype, sizes):
+def check_model_args(unknown, dtype, sizes, switches):
     """Raise ValueError, in one line, for a model_arg nanogpt-paged does not take or cannot use."""
     if unknown:
         raise ValueError(
@@ -33,6 +33,9 @@ def check_model_args(unknown, dtype, sizes):
     for name, value in sizes.items():
         if type(value) is not int or value < 1:  # the engine checks its own, after a default pool is sized
             raise ValueError(f"{name} {value!r} must be an integer >= 1")
+    for name, value in switches.items():  # lm-eval reads true and false as booleans, any other word as a string
+        if type(value) is not bool:
+            raise ValueError(f"{name} {value!r} must be true or false")
 
 
 def model_device(device):
@@ -107,7 +110,8 @@ class NanoGPTPaged(TemplateLM):
     ):
         super().__init__()
         sizes = dict(block_size=block_size, token_budget=token_budget, max_batch=max_batch, max_gen_toks=max_gen_toks)
-        check_model_args(unknown, dtype, {**sizes, "num_blocks": 1 if num_blocks is None else num_blocks})
+        sizes["num_blocks"] = 1 if num_blocks is None else num_blocks
+        check_model_args(unknown, dtype, sizes, dict(prefix_cache=prefix_cache, invariant=invariant))
         model = ckpt if isinstance(ckpt, GPT) else load_checkpoint(str(ckpt), model_device(device))
         self.model = model.to(DTYPES[dtype]) if dtype else model
         self.enc = get_tokenizer(model.config.vocab_size)

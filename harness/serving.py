@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import torch
 
 from ext import engine_class
+from ext.logprobs import Logprobs
 from harness.checkpoints import shakespeare
 from harness.contiguous import ContiguousEngine
 from harness.metrics import Meter, metrics
@@ -62,6 +63,32 @@ def cuda_defaults(model, block_size, blocks_needed):
     return dict(max_batch=256, token_budget=4096, num_blocks=min(int(0.9 * free) // block_bytes, blocks_needed))
 
 
+def free_memory(device):
+    """Bytes free on the device now: CUDA's own count; on a CPU, Linux's MemAvailable (None elsewhere)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def check_pool_memory(model, block_size, num_blocks):
+    """A KV pool larger than the device's free memory is refused in one line (ValueError), before the allocation
+    fails with a traceback or, on a CPU, the kernel's out-of-memory killer ends the process without a word."""
+    c = model.config
+    device = model.lm_head.weight.device
+    pool_bytes = 2 * c.n_layer * (num_blocks + 1) * block_size * c.n_embd * model.lm_head.weight.element_size()
+    free = free_memory(device)
+    if free is not None and pool_bytes > free:
+        raise ValueError(
+            f"a KV pool of {num_blocks:,} blocks of {block_size:,} tokens takes {pool_bytes / 2**30:,.1f} GiB, but "
+            f"{device.type} has {free / 2**30:,.1f} GiB free: lower --num-blocks or --block-size"
+        )
+
+
 def make_engine(model, kind, args, prompts, news, vocab_size):
     """The engine a design names, from the flags; on CUDA, what no flag sets comes from cuda_defaults."""
     max_batch = args.max_batch or 64
@@ -101,6 +128,7 @@ def make_engine(model, kind, args, prompts, news, vocab_size):
         speculative=args.num_speculative_tokens != 0,
         compile=compile,
     )
+    check_pool_memory(model, args.block_size, sizes["num_blocks"])
     extras = {}
     if width > 1:
         extras.update(early_stopping=args.early_stopping)
@@ -125,9 +153,9 @@ def make_engine(model, kind, args, prompts, news, vocab_size):
 
 def warm_up(engine, num_sequences):
     """Compile what the paged engine's steps will use before anything is timed, with a line that counts the
-    seconds: its decode attention, and with --compile step its small steps' graph. The first compile on a
-    machine takes ~20 s on a CPU (~60 s for step, ~35 s cached), and inductor's on-disk cache (under
-    /tmp/torchinductor_$USER) brings later ones of decode attention to a few seconds. It serves tiny prompts
+    seconds: its decode attention, its log-probabilities' scores, and with --compile step its small steps' graph.
+    The first compile on a machine takes ~20 s on a CPU (~60 s for step, ~35 s cached), and inductor's on-disk
+    cache (under /tmp/torchinductor_$USER) brings later ones of decode attention to a few seconds. It serves tiny prompts
     through `engine`, which is then spent: time a fresh one. Then the heap is frozen (harness.tuning.freeze_heap)."""
     runs = []
     if isinstance(engine, PagedEngine) and engine.compile != "off":
@@ -140,6 +168,8 @@ def warm_up(engine, num_sequences):
         room = engine.allocator.num_blocks >= 2 * rows + engine.watermark  # else the rows never decode together
         if min(engine.max_batch, num_sequences) >= rows and two_blocks and room:
             runs.append(("decode attention", [Request([0], engine.block_size + 1) for _ in range(rows)]))
+        if isinstance(engine, Logprobs) and engine.device.type == "cpu":  # their scores compile at first use
+            runs.append(("log-probabilities", [Request([0, 0], 2, SamplingParams(logprobs=1))]))
     for name, requests in runs:
         what = f"compiling {name} (torch.compile, {engine.device.type}, {engine.kv_pool[0].dtype})"
         with counting_seconds(what):

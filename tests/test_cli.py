@@ -94,6 +94,10 @@ def test_cli_bad_checkpoint_and_empty_prompts_file(tmp_path, ckpt):
         (["--paged", "--num-blocks", "1", "--block-size", "4", "--max-new-tokens", "20"], "but the pool has only 1"),
         (["--prompts", "/no/such/file"], "cannot read --prompts file"),
         (["--device", "mps"], "--device mps: this engine runs on cpu or cuda"),
+        (["--device", "cpu:1"], "--device cpu:1: cpu takes no index"),
+        (["--paged", "--num-blocks", "100000000"], "GiB free: lower --num-blocks or --block-size"),
+        (["--paged", "--json", "."], "--json .: a folder; name the file to write"),
+        (["--paged", "--request-rate", "1e-6"], "a run's arrivals last at most an hour"),
         pytest.param(
             ["--device", "cuda"],
             "sees no CUDA GPU",
@@ -131,7 +135,16 @@ def test_cli_bad_input_is_one_line_error(ckpt, capsys, argv, message):
         (["--sweep-rates", "1,2"], "--sweep-rates needs --compare"),
         (["--compare", "--sweep-rates", "1,0"], "--sweep-rates: 0 must be above 0"),
         (["--reserve", "pow2"], "--reserve needs --kv-budget"),
-        (["--kv-budget", "8"], "--kv-budget 8 slots hold no block of --block-size 16"),
+        (["--paged", "--kv-budget", "8"], "--kv-budget 8 slots hold no block of --block-size 16"),
+        # flags that only the paged engine, or only a drawn workload, reads: refused where nothing would read them
+        (["--num-blocks", "8"], "--num-blocks needs --paged or --compare"),
+        (["--block-size", "8"], "--block-size needs --paged or --compare"),
+        (["--token-budget", "64"], "--token-budget needs --paged or --compare"),
+        (["--compile", "on"], "--compile on needs --paged or --compare"),
+        (["--paged", "--kv-budget", "64", "--reserve", "pow2"], "--reserve needs the contiguous baseline"),
+        (["--prompt-len", "8:16"], "--prompt-len needs a drawn workload"),
+        (["--paged", "--prompt", "ROMEO:", "--shared-prefix", "2"], "--shared-prefix needs a drawn workload"),
+        (["--num-requests", "2", "--prompt", "ROMEO:"], "--prompt needs no --num-requests"),
         (
             ["--kv-budget", "32", "--num-requests", "3", "--prompt-len", "20:30", "--new-tokens", "8:8"],
             "reserves 64 slots under --reserve max, but the KV budget is 32 slots",
@@ -174,7 +187,7 @@ def test_bad_workload_output_and_budget_flags_are_one_line_errors(ckpt, argv, me
         (["--top-p", "1.5"], "--top-p 1.5 and --min-p 0.0 must be at most 1"),
         (["--min-p", "-0.1"], "argument --min-p: -0.1 is below 0.0"),
         (["--min-p", "2"], "--min-p 2.0 must be at most 1"),
-        (["--logprobs", "21", "--paged"], "--logprobs 21 at most 20"),
+        (["--logprobs", "21", "--paged"], "--logprobs 21 must be at most 20"),
         (["--logprobs", "3"], "--logprobs needs --paged"),
         (["--early-stopping", "true"], "--early-stopping needs --num-beams"),
         (["--num-beams", "0"], "argument --num-beams: 0 is below 1"),
@@ -323,7 +336,8 @@ def test_cli_json_holds_requests_in_order_and_metrics(ckpt, tmp_path, monkeypatc
                 *paged,
             ]
         )
-        data = json.loads(out.read_text())
+        data = json.loads(out.read_text(), parse_constant=lambda name: pytest.fail(f"{name} is not standard JSON"))
+        assert data["metrics"]["request_rate"] == "inf"  # all at once: standard JSON has no infinity
         assert [r["prompt"] for r in data["requests"]] == ["ROMEO:", "To be, or not"]  # samples: one entry each
         assert all(len(r["sequences"]) == 2 for r in data["requests"])
         assert all(len(s["output_tokens"]) == 10 for r in data["requests"] for s in r["sequences"])
@@ -374,6 +388,12 @@ def test_num_samples_and_beams_print_and_write_every_sequence(ckpt, tmp_path, ca
     request = json.loads(out.read_text())["requests"][0]
     assert [s["seed"] for s in request["sequences"]] == [1337, 1338, 1339]
     assert request["output_tokens"] == request["sequences"][0]["output_tokens"]
+    generate.main(["--ckpt", ckpt, "--paged", "--prompt", "ROMEO:", "--num-samples", "2", "--max-new-tokens", "4"]
+                  + ["--logprobs", "1", "--json", str(out)])  # fmt: skip
+    request = json.loads(out.read_text())["requests"][0]
+    for s in request["sequences"]:  # each sample's own logprobs, the first's also the request's
+        assert [x["id"] for x in s["logprobs"]] == s["output_tokens"]
+    assert request["logprobs"] == request["sequences"][0]["logprobs"]
     generate.main(
         [
             "--ckpt",

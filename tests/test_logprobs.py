@@ -198,6 +198,27 @@ def test_bad_logprobs_settings_are_refused_in_one_line(model, params, message):
         engine.add(Request([1, 2, 3, 4], 2, SamplingParams(**params)))
 
 
+def test_the_warm_up_compiles_the_scores_so_that_the_timed_run_compiles_nothing(model):
+    """The command line's warm-up (harness.serving.warm_up) serves a request asking for logprobs, whose scores
+    compile at their first use on a CPU: the timed run after it compiles nothing (it took ~3 s of its clock)."""
+    import gc
+
+    from torch._dynamo.utils import counters
+
+    from harness.serving import warm_up
+
+    try:
+        warm_up(engine_class(logprobs=True)(model, num_blocks=40, block_size=4), 4)
+    finally:
+        gc.unfreeze()  # warm_up freezes the heap, as a served process does
+    graphs = counters["stats"]["unique_graphs"]
+    requests = [Request([1, 2, 3], 5, SamplingParams(logprobs=2)), Request([4, 5], 6, SamplingParams(logprobs=0))]
+    run_engine(engine_class(logprobs=True)(model, num_blocks=40, block_size=4), requests)
+    assert counters["stats"]["unique_graphs"] == graphs, "the run compiled"
+    for r in requests:
+        check_request(model, r)
+
+
 def test_an_entry_asks_no_more_ids_than_the_vocabulary_holds(model):
     """An engine serving 3 of the model's ids lists at most 3: ids past them (-inf) are never listed."""
     engine = ServingEngine(model, num_blocks=8, block_size=4, vocab_size=3)
