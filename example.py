@@ -14,8 +14,9 @@ from sequence import Request, SamplingParams
 model = prepare(load_checkpoint(SHIPPED))
 enc = get_tokenizer(model.config.vocab_size)
 
-# the core: 256 blocks of 16 tokens, greedy and sampled requests in the same steps
-engine = PagedEngine(model, num_blocks=256, block_size=16)
+# the core: 256 blocks of 16 tokens, greedy and sampled requests in the same steps; ids past the tokenizer's
+# (nanoGPT pads GPT-2's 50,257 to 50,304: a checkpoint trained on GPT-2's vocabulary) are never sampled
+engine = PagedEngine(model, num_blocks=256, block_size=16, vocab_size=enc.n_vocab)
 requests = [
     Request(enc.encode("ROMEO:\n"), 48),  # greedy
     Request(enc.encode("JULIET:\n"), 48, SamplingParams(temperature=0.8, top_k=200, top_p=0.95, seed=1)),
@@ -26,7 +27,7 @@ for r in requests:
 
 # the extensions a request needs, composed on the core (ext/__init__.py): n samples forked from one prefill, and
 # each sampled token's log-probability with the 2 likeliest
-engine = engine_class(forks=True, logprobs=True)(model, num_blocks=256)
+engine = engine_class(forks=True, logprobs=True)(model, num_blocks=256, vocab_size=enc.n_vocab)
 request = Request(enc.encode("HAMLET:\n"), 32, SamplingParams(temperature=0.8, top_k=200, seed=1, n=2, logprobs=2))
 engine.run([request])
 for s in request.sequences:

@@ -14,7 +14,7 @@ import time
 import torch
 
 from harness.checkpoints import get_tokenizer, shakespeare
-from harness.flags import HelpFormatter
+from harness.flags import HelpFormatter, fail, number_type
 from model import GPT, GPTConfig
 
 
@@ -91,20 +91,37 @@ def train(
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p.error = lambda message: fail(message)  # one line, no usage dump
     p.add_argument("--out-dir", default="out", help="where ckpt.pt is written")
     p.add_argument("--device", default="", help="cpu or cuda; empty picks cuda if available")
-    p.add_argument("--max-iters", type=int, default=1000, help="training iterations; the same on every machine")
     p.add_argument(
-        "--max-seconds", type=float, default=None, help="optional time cap; says so if it cuts training short"
+        "--max-iters", type=number_type(1), default=1000, help="training iterations; the same on every machine"
     )
-    p.add_argument("--batch-size", type=int, default=16, help="sequences per iteration")
-    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (warmup, then cosine)")
+    p.add_argument(
+        "--max-seconds",
+        type=number_type(above=0, kind=float),
+        default=None,
+        help="optional time cap; says so if it cuts training short",
+    )
+    p.add_argument("--batch-size", type=number_type(1), default=16, help="sequences per iteration")
+    p.add_argument(
+        "--lr", type=number_type(above=0, kind=float), default=2e-3, help="peak learning rate (warmup, then cosine)"
+    )
     p.add_argument("--seed", type=int, default=1337, help="seeds the weights and the batches")
     for name, value in vars(GPTConfig()).items():  # the model's shape, nanoGPT's names
-        if not isinstance(value, bool):  # bias stays as GPTConfig has it
-            p.add_argument("--" + name.replace("_", "-"), type=type(value), default=value, help="GPTConfig." + name)
+        flag, about = "--" + name.replace("_", "-"), "GPTConfig." + name
+        if name == "gelu":
+            p.add_argument(flag, choices=["exact", "tanh"], default=value, help=about)
+        elif not isinstance(value, bool):  # bias stays as GPTConfig has it
+            p.add_argument(flag, type=number_type(1), default=value, help=about)
     args = p.parse_args()
+    if args.n_embd % args.n_head:
+        fail(f"--n-embd {args.n_embd} is not a multiple of --n-head {args.n_head}")
+    if args.device and args.device.partition(":")[0] not in ("cpu", "cuda"):
+        fail(f"--device {args.device}: this trains on cpu or cuda")
     try:
         train(**vars(args))
     except OSError as e:  # the output folder, before any training
         sys.exit(f"error: --out-dir {args.out_dir}: {e.strerror}")
+    except ValueError as e:  # the tokenizer's, for a vocabulary too small for GPT-2's bytes
+        sys.exit(f"error: {e}")

