@@ -18,7 +18,10 @@ OFFLINE = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
 def main(argv=None):
     for name in OFFLINE:  # before lm-eval imports the hub's clients, which read them once
         os.environ.setdefault(name, "1")
-    from lm_eval.__main__ import cli_evaluate
+    try:
+        from lm_eval.__main__ import cli_evaluate
+    except ImportError as e:  # not in requirements.txt: the tests' requirements bring it
+        sys.exit(f"error: lm-eval is missing ({e}): pip install -r requirements-test.txt")
 
     import harness.lm_eval_model  # noqa: F401 (registers nanogpt-paged)
 
