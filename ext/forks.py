@@ -39,6 +39,13 @@ def is_beam(s):
     return s.request.params.num_beams > 1
 
 
+def rows_held(sequences):
+    """Rows the sequences take: a beam group its width, however many beams it runs now (a first step picks at most
+    one beam an id, and the group grows back to its width later), any other sequence its num_rows."""
+    groups = {s.request for s in sequences if is_beam(s)}
+    return sum(width(r) for r in groups) + sum(num_rows(s) for s in sequences if not is_beam(s))
+
+
 class Forks:
     """n samples and beam search, for an Engine subclass that defines fork_kv(parent, child)."""
 
@@ -266,7 +273,7 @@ class PagedForks(Forks):
         hits = [cached_prefix(x, self.cacheable(x)) if self.prefix_cache else [] for x in group]
         # a free block that several members hit is counted for each: admission waits for more than it takes
         need = sum(self.blocks_to_admit(x, cached) for x, cached in zip(group, hits))
-        if sum(num_rows(x) for x in self.running + group) > self.max_batch:
+        if rows_held(self.running + group) > self.max_batch:
             return []
         if need > self.spare_blocks():
             return []
@@ -283,7 +290,7 @@ class PagedForks(Forks):
 
     def can_admit(self, s, cached, copies=0):
         """Rows for every sequence s's request will run, and blocks for its forks' copies of a shared last block."""
-        if sum(num_rows(x) for x in self.running) + num_rows(s) > self.max_batch:
+        if rows_held([*self.running, s]) > self.max_batch:
             return False
         # the forks of a prompt each copy its last block, if partly filled, on their first write; alone, a
         # sequence's forks may preempt each other

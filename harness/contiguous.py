@@ -7,7 +7,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from batch import StepBatch
 from engine import Engine, PlanEntry
-from ext.forks import Forks, num_rows, width
+from ext.forks import Forks, num_rows, rows_held, width
 from model import attend, visible_keys
 from sequence import SequenceStatus
 
@@ -71,7 +71,7 @@ class ContiguousEngine(Forks, Engine):
 
     def schedule(self):  # a request reserves for all the sequences it will fork into
         c = self.model.config
-        while self.waiting and sum(num_rows(s) for s in self.running + [self.waiting[0]]) <= self.max_batch:
+        while self.waiting and rows_held(self.running + [self.waiting[0]]) <= self.max_batch:
             s = self.waiting[0]
             need = self.reservation(s.request) * num_rows(s)
             if self.kv_budget is not None and self.reserved + need > self.kv_budget:

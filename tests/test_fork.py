@@ -247,3 +247,22 @@ def test_bad_fork_requests_are_refused_in_one_line(model, kwargs, message):
     with pytest.raises(ValueError, match=message) as e:
         engine.add(Request(list(range(1, 9)), 4, SamplingParams(**kwargs)))
     assert "\n" not in str(e.value)
+
+
+def test_a_beam_group_keeps_its_rows_while_it_runs_fewer_beams_than_its_width():
+    """3 beams over 2 ids: the first step picks 2 (as HF's, whose third scores -1e9), the next 3 again. Admission
+    counts the group's width, not its live beams, so a request added between the steps waits for a row instead of
+    taking the one the group grows back into (a crash, both requests lost)."""
+    model = tiny_gpt(vocab_size=2)
+    paged = ServingEngine(model, num_blocks=64, block_size=4, max_batch=3, vocab_size=2)
+    for engine in [paged, ContiguousEngine(model, max_batch=3, vocab_size=2)]:
+        beams, plain = Request([0, 1, 1, 0], 6, SamplingParams(num_beams=3)), Request([1, 0, 1], 6)
+        engine.add(beams)
+        engine.step()  # the prompt, then the first beam step: 2 live beams
+        assert len(beams.sequences) == 2 and not engine.waiting
+        engine.add(plain)
+        engine.step()
+        assert len(beams.sequences) == 3 and list(engine.waiting) == plain.sequences  # it waits for a row
+        run_engine(engine, [])
+        assert beams.status is plain.status is RequestStatus.DONE
+        assert plain.generated == baseline(model, [plain.prompt], [6])[0]
