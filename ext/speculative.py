@@ -205,14 +205,17 @@ class Speculative:
         tokens = [token for _, token in draws]
         while kept < len(draws) and tokens[kept - 1] == proposal[kept - 1]:
             kept += 1
-        self.notify("verified", s, len(proposal), kept - 1)  # a Meter counts them, per request and in all
         if self.num_speculative_tokens == "auto":
             self.auto_tokens[s] = next_auto_tokens(self.auto_tokens[s], len(proposal), kept - 1)
         num_before = s.num_computed
         s.num_computed += kept - 1  # the accepted proposals' K/V: they are the kept draws before the last
+        appended = 0
         for sampler, token in draws[:kept]:
             if s.status is not SequenceStatus.DONE:  # eos or max_new_tokens drops the rest
                 super().append_tokens([sampler], [token])
+                appended += 1
+        # a Meter counts them, per request and in all: the accepted that became tokens, before an eos among them
+        self.notify("verified", s, len(proposal), appended - 1)
         if s.status is not SequenceStatus.DONE:
             self.roll_back(s, num_before)
 

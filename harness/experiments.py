@@ -168,7 +168,7 @@ def run_designs(model, kinds, args, prompts, news, vocab_size, results):
         warm_up(engine, len(prompts) * max(args.num_samples, args.num_beams))
         make_engine(model, kind, args, prompts, news, vocab_size).run([Request(p[:16], 2) for p in prompts[:2]])
     for rate in args.sweep_rates or [args.request_rate]:
-        results.runs = {}
+        results.runs, results.rate = {}, rate
         for kind in kinds:
             engine = make_engine(model, kind, args, prompts, news, vocab_size)
             results.requests = make_requests(args, prompts, news)
@@ -318,7 +318,7 @@ def serve_prompts(model, enc, args):
         print(
             f"KV budget: {args.kv_budget:,} slots x {slot_bytes:,} bytes = {args.kv_budget * slot_bytes / 2**20:,.1f} MB"
         )
-    results = SimpleNamespace(sweep=[], runs={}, steps={}, requests=[], speculation={})
+    results = SimpleNamespace(sweep=[], runs={}, rate=None, steps={}, requests=[], speculation={})
     try:
         run_designs(model, kinds, args, prompts, news, enc.n_vocab, results)
     except ValueError as e:
@@ -326,7 +326,10 @@ def serve_prompts(model, enc, args):
     except KeyboardInterrupt:  # keep what finished: the runs done, and the requests done in this one
         done = request_json(texts, results.requests, enc)
         if args.json:
-            write_json(args.json, {"interrupted": True, "runs": results.runs, "requests": done})
+            # a sweep: its finished points, then the rate whose runs were cut short
+            sweep = {"sweep": results.sweep, "request_rate": results.rate} if args.sweep_rates else {}
+            out = {"interrupted": True, **sweep, "runs": results.runs, "requests": done}
+            write_json(args.json, out)
         fail(
             f"interrupted: {len(done)} of {len(results.requests)} requests of this run had finished"
             + (f"; they and the finished runs are in {args.json}" if args.json else "")

@@ -32,6 +32,7 @@ class Meter(Observer):
         self.first_token = {}
         self.done = {}
         self.plan = []
+        self.last_plan = []  # the step before's: with async steps (ext/async_steps.py) a request ends a step later
         self.steps = []  # one dict per step
         self.step_start = None
         self.prefill_tokens = 0
@@ -57,7 +58,7 @@ class Meter(Observer):
         self.arrival.setdefault(request, self.clock.now())
 
     def planned(self, plan):
-        self.plan = plan
+        self.last_plan, self.plan = self.plan, plan
         self.step_start = self.clock.now()
         self.prefill_tokens += sum(n for s, n in plan if s.status is SequenceStatus.PREFILLING)
         again = [min(s.num_computed + n, self.computed.get(s, 0)) - s.num_computed for s, n in plan]
@@ -76,7 +77,7 @@ class Meter(Observer):
         now = self.clock.now()
         for s in self.engine.running:
             self.computed[s] = max(self.computed.get(s, 0), s.num_computed)
-        for s, _ in self.plan:
+        for s, _ in self.last_plan + self.plan:
             if s.status in (SequenceStatus.DECODING, SequenceStatus.DONE):  # it has drawn
                 self.first_token.setdefault(s.request, now)
             if s.request.status is RequestStatus.DONE:
@@ -185,6 +186,7 @@ TABLE_KEYS = [
     "kv_ahead_pct",
     "spec_proposed_tokens",
     "spec_accepted_tokens",
+    "spec_verify_steps",
     "spec_acceptance_pct",
     "spec_tokens_per_verify",
     "num_blocks",
@@ -209,7 +211,9 @@ def metrics(meter, wall_s, rate, kv_budget):
     out = sum(len(s.generated) for r in reqs for s in returned(r))
     ttft = [(first_token[r] - arrival[r]) * 1000 for r in reqs]
     latency = [(done[r] - arrival[r]) * 1000 for r in reqs]  # end to end, from arrival to the last token
-    tpot = [(done[r] - first_token[r]) * 1000 / (len(r.generated) - 1) for r in reqs if len(r.generated) > 1]
+    # a request's length: its longest returned sequence (n samples end apart with eos; the latency runs to the last)
+    length = {r: max(len(s.generated) for s in returned(r)) for r in reqs}
+    tpot = [(done[r] - first_token[r]) * 1000 / (length[r] - 1) for r in reqs if length[r] > 1]
     peak = max(stats, key=lambda s: s["allocated"])
     m = dict(
         output_tokens=out,
@@ -223,7 +227,7 @@ def metrics(meter, wall_s, rate, kv_budget):
         latency_ms_p50=percentile(latency, 50),
         latency_ms_p90=percentile(latency, 90),
         latency_ms_p99=percentile(latency, 99),
-        normalized_latency_ms=mean(t / len(r.generated) for t, r in zip(latency, reqs)),
+        normalized_latency_ms=mean(t / length[r] for t, r in zip(latency, reqs)),
         request_rate=rate,
         steps=len(stats),
         prefill_tokens=meter.prefill_tokens,
@@ -301,8 +305,9 @@ def table(runs):
 
 def sweep_table(rows, columns):
     """rows: (label, dict) pairs; columns: (header, key) pairs -> one line per row, one column per key."""
-    lines = [f"{'':<22}" + "".join(f"{header:>16}" for header, _ in columns)]
-    lines += [f"{label:<22}" + "".join(f"{cell(row.get(key)):>16}" for _, key in columns) for label, row in rows]
+    width = max([22] + [len(label) + 2 for label, _ in rows])
+    lines = [f"{'':<{width}}" + "".join(f"{header:>16}" for header, _ in columns)]
+    lines += [f"{label:<{width}}" + "".join(f"{cell(row.get(key)):>16}" for _, key in columns) for label, row in rows]
     return "\n".join(lines)
 
 

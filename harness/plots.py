@@ -1,5 +1,5 @@
 """Pictures of runs: the block pool over a run (PoolMap, which listens to the paged engine), and the
-experiments' plots (KV slots, running requests and step times per step; a rate sweep's latency and batch)."""
+experiments' plots (KV slots, running sequences and step times per step; a rate sweep's latency and batch)."""
 
 import numpy as np
 
@@ -111,7 +111,7 @@ def plot(all_stats, sweep, path, title):
         axes[2].set_yscale("log")  # a whole-batch prefill step would flatten the rest
         panels = [
             ("KV slots allocated", "step", "slots"),
-            ("running requests", "step", "requests"),
+            ("running sequences", "step", "sequences"),
             ("step time vs context in batch", "keys attended in the step", "ms"),
         ]
     for ax, (name, x, y) in zip(axes, panels):

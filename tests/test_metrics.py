@@ -127,3 +127,56 @@ def test_every_figure_equals_its_value_worked_out_by_hand_on_a_fake_clock(model,
         want.update(num_blocks=16, block_size=4, preemption="recompute", swap_blocks=0, swap_fallbacks=0)
         want.update(swapped_out_blocks=0, swapped_in_blocks=0, swap_mb=0, swap_out_ms=0, swap_in_ms=0)
     assert metrics(engine.meter, clock.t, float("inf"), None) == pytest.approx(want)
+
+
+def test_samples_that_end_apart_are_timed_by_their_longest(model):
+    """n samples with an eos: the request's latency runs to its last sample's end, so its normalized latency and
+    time per output token divide by its longest sample's tokens (not the first sample's, which may end first)."""
+    from ext import engine_class
+    from sequence import SamplingParams
+
+    probe = Request([5, 6, 7], 12, SamplingParams(temperature=1.5, seed=3, n=4))
+    run_engine(engine_class(forks=True)(model, num_blocks=64, block_size=4), [probe])
+    eos = probe.sequences[0].generated[2]  # the first sample ends at its third token, others later or never
+    r = Request([5, 6, 7], 12, SamplingParams(temperature=1.5, seed=3, n=4, eos=eos))
+    engine = engine_class(forks=True)(model, num_blocks=64, block_size=4)
+    clock = TokenClock()
+    engine.meter = Meter(engine, clock)
+    engine.observers.append(clock)
+    run_engine(engine, [r])
+    lengths = [len(s.generated) for s in r.sequences]
+    assert lengths[0] == 3 and max(lengths) > 3
+    m = metrics(engine.meter, clock.t, float("inf"), None)
+    latency = (engine.meter.done[r] - engine.meter.arrival[r]) * 1000
+    decode = (engine.meter.done[r] - engine.meter.first_token[r]) * 1000
+    assert m["normalized_latency_ms"] == pytest.approx(latency / max(lengths))
+    assert m["tpot_ms_mean"] == pytest.approx(decode / (max(lengths) - 1))
+
+
+def test_the_meter_hears_every_request_end_under_async_steps(model):
+    """With async steps (ext/async_steps.py, the GPU path's default; here on the CPU, padded without capture) a
+    request's last token reaches the host a step after its last plan: the Meter still hears it end, so every
+    request and token is counted (it heard 1 of 4, and a quarter of the tokens)."""
+    from ext import engine_class
+    from sequence import SamplingParams
+
+    engine = engine_class(compile="graph")(model, num_blocks=64, block_size=4, compile="graph", async_steps=True)
+    clock = TokenClock()
+    engine.meter = Meter(engine, clock)
+    engine.observers.append(clock)
+    requests = [Request([5, 6, 7], n, SamplingParams(temperature=0)) for n in (3, 6, 10, 20)]
+    for r in requests:
+        engine.add(r)
+    while engine.waiting or engine.running or getattr(engine, "pending", None):
+        engine.step()
+    assert set(engine.meter.done) == set(requests)
+    m = metrics(engine.meter, clock.t, float("inf"), None)
+    assert m["output_tokens"] == 3 + 6 + 10 + 20
+
+
+def test_a_sweep_tables_columns_line_up_under_its_headers_whatever_its_labels():
+    from harness.metrics import sweep_table
+
+    text = sweep_table([("recompute, block size 16", {"a": 1.5}), ("swap, block size 128", {"a": 20})], [("ms", "a")])
+    header, *rows = text.splitlines()
+    assert all(len(row) == len(header) for row in rows), text  # each value ends under its header

@@ -256,3 +256,41 @@ def test_generate_reports_speculation_per_request_and_in_all_with_plain_decoding
     assert m["spec_verify_steps"] == sum(r["verify_steps"] for r in per_request)
     assert "spec_proposed_tokens" not in runs["plain"]["metrics"]
     assert re.search(r"--- speculation in all: \d+ of \d+ proposed tokens accepted", text)
+
+
+def test_tokens_per_verify_step_count_only_the_tokens_kept_before_an_eos():
+    """An eos inside an accepted run drops the draws after it: the Meter's accepted tokens are those that became
+    tokens, so tokens per verify step is what the verify steps appended (they were counted though dropped)."""
+    from ext import engine_class
+    from harness.checkpoints import SHIPPED, get_tokenizer, load_checkpoint
+    from harness.metrics import Meter, speculation
+    from harness.observer import Observer
+
+    model = load_checkpoint(SHIPPED)
+    enc = get_tokenizer(model.config.vocab_size)
+    prompt = enc.encode("ROMEO:\nI will.\nJULIET:\nI will.\nROMEO:\nI will.\nJULIET:\n")
+
+    class Appended(Observer):  # what each verify step appended to its sequence
+        def __init__(self):
+            self.rows = []
+
+        def planned(self, plan):
+            self.before = {s: (len(s.tokens), bool(s.proposed)) for s, _ in plan}
+
+        def stepped(self):
+            self.rows += [len(s.tokens) - n for s, (n, proposing) in self.before.items() if proposing]
+
+    def run(eos):
+        engine = engine_class(speculative=True)(model, num_blocks=64, num_speculative_tokens=4, compile="off")
+        meter, appended = Meter(engine), Appended()
+        engine.observers.append(appended)
+        r = Request(prompt, 40, SamplingParams(eos=eos))
+        engine.run([r])
+        return r, meter, appended.rows
+
+    r, _, _ = run(None)
+    eos = r.generated[r.generated.index(198) if 198 in r.generated else 0]  # a newline, inside accepted runs
+    r, meter, rows = run(eos)
+    assert rows and r.generated[-1] == eos
+    figures = speculation(meter.proposed_tokens, meter.accepted_tokens, meter.verify_steps)
+    assert meter.verify_steps == len(rows) and figures["spec_tokens_per_verify"] == sum(rows) / len(rows)
