@@ -106,6 +106,18 @@ def all_at_once(model):
     return prompts, news, [recomputed_greedy(model, p, m) for p, m in zip(prompts, news)]
 
 
+@pytest.fixture(scope="module")
+def shared_heads(model):
+    """all_at_once's kind of workload, every third prompt after a 9-token head they share (the prefix cache
+    hits), and the oracle's tokens."""
+    rng = random.Random(13)
+    head = [rng.randrange(300) for _ in range(9)]
+    prompts = [[rng.randrange(300) for _ in range(rng.randint(1, 21))] for _ in range(20)]
+    prompts = [head + p if i % 3 == 0 else p for i, p in enumerate(prompts)]
+    news = [rng.randint(1, 20) for _ in prompts]
+    return prompts, news, [recomputed_greedy(model, p, m) for p, m in zip(prompts, news)]
+
+
 def paged(model, prompts, news, prefix_cache=True):
     """A paged engine whose pool holds every request at once: blocks never hold a request back."""
     num_blocks = sum(blocks_for(len(p) + m - 1, BLOCK) for p, m in zip(prompts, news))
@@ -136,11 +148,12 @@ def serve_all(engine, prompts, news, step_check=None):
 
 @pytest.mark.parametrize("design", ["contiguous", "paged", "paged_prefix"])
 def test_every_engine_gives_the_recomputing_oracles_greedy_tokens_and_exactly_max_new_tokens(
-    model, all_at_once, design
+    model, shared_heads, design
 ):
-    """float64: the contiguous baseline and the paged engine, with and without the prefix cache, all batching
-    differently, give for every request the tokens of a model that recomputes the whole sequence each step."""
-    prompts, news, oracle = all_at_once
+    """float64: the contiguous baseline and the paged engine, with and without the prefix cache (which serves the
+    shared heads), all batching differently, give for every request the tokens of a model that recomputes the
+    whole sequence each step."""
+    prompts, news, oracle = shared_heads
     if design == "contiguous":
         engine = ContiguousEngine(model, max_batch=ROWS)
     else:
@@ -149,6 +162,7 @@ def test_every_engine_gives_the_recomputing_oracles_greedy_tokens_and_exactly_ma
     for i, (r, want) in enumerate(zip(requests, oracle)):
         assert r.generated == want, f"request {i} (prompt of {len(prompts[i])}) parts from the oracle"
     assert meter.num_preemptions == 0
+    assert (meter.cached_tokens > 0) == (design == "paged_prefix")  # the cache served the shared head
 
 
 def fifo_makespan(news, rows):
