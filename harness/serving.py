@@ -54,13 +54,10 @@ def arrivals(n, rate, seed):
     return times
 
 
-def cuda_defaults(model, block_size, blocks_needed):
-    """On CUDA, as vLLM sizes itself: 256 sequences at once (its max_num_seqs), 4,096 tokens a step, and a pool
-    in 90% of the GPU's free memory (its gpu_memory_utilization), no larger than the workload needs at once."""
+def block_bytes(model, block_size):
+    """One KV block: block_size tokens' K and V in every layer, in the model's dtype."""
     c = model.config
-    block_bytes = 2 * c.n_layer * block_size * c.n_embd * model.lm_head.weight.element_size()
-    free, _ = torch.cuda.mem_get_info(model.lm_head.weight.device)
-    return dict(max_batch=256, token_budget=4096, num_blocks=min(int(0.9 * free) // block_bytes, blocks_needed))
+    return 2 * c.n_layer * block_size * c.n_embd * model.lm_head.weight.element_size()
 
 
 def free_memory(device):
@@ -75,12 +72,22 @@ def free_memory(device):
         return None
 
 
+def cuda_defaults(model, block_size, blocks_needed):
+    """On CUDA, as vLLM sizes itself: 256 sequences at once (its max_num_seqs), 4,096 tokens a step, and a pool
+    in 90% of the GPU's free memory (its gpu_memory_utilization), no larger than the workload needs at once."""
+    free = free_memory(model.lm_head.weight.device)
+    return dict(
+        max_batch=256,
+        token_budget=4096,
+        num_blocks=min(int(0.9 * free) // block_bytes(model, block_size), blocks_needed),
+    )
+
+
 def check_pool_memory(model, block_size, num_blocks):
     """A KV pool larger than the device's free memory is refused in one line (ValueError), before the allocation
     fails with a traceback or, on a CPU, the kernel's out-of-memory killer ends the process without a word."""
-    c = model.config
     device = model.lm_head.weight.device
-    pool_bytes = 2 * c.n_layer * (num_blocks + 1) * block_size * c.n_embd * model.lm_head.weight.element_size()
+    pool_bytes = (num_blocks + 1) * block_bytes(model, block_size)  # and the padding block
     free = free_memory(device)
     if free is not None and pool_bytes > free:
         raise ValueError(
