@@ -150,15 +150,17 @@ def parser():
     )
     p.add_argument(
         "--compile",
-        choices=["auto", "on", "off", "graph", "step"],
+        choices=["auto", "on", "off", "graph", "step", "kernel"],
         default="auto",
         help="paged decode attention through torch.compile (inductor). on: always; off: gather blocks + SDPA; "
         "auto: graph on CUDA; on a CPU, compiled for steps of 16 or more decode rows (measured as fast or faster). "
         "graph (ext/cuda.py): decode steps padded to fixed shapes, each captured once as a CUDA graph and replayed, "
         "with async steps and flex_attention in large batches (on a CPU, padded without capture). step "
         "(ext/compiled_steps.py, CPU): steps of at most 8 sequences of at most 16 tokens each (batch-1 decoding, "
-        "speculative verify steps) as one compiled graph of the whole forward. The one-time compile (~20 s, a "
-        "few once cached; for step ~60 s, ~35 s cached) and capture are shown before the run",
+        "speculative verify steps) as one compiled graph of the whole forward. kernel (ext/cpu_kernel.py, CPU): "
+        "decode attention through a C kernel of our own, built with the system's C compiler at first use (~1 s). "
+        "The one-time compile (~20 s, a few once cached; for step ~60 s, ~35 s cached) and capture are shown "
+        "before the run",
     )
     p.add_argument(
         "--num-speculative-tokens",

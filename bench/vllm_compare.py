@@ -4,7 +4,7 @@
     .vllm/bin/pip uninstall -y torchvision torchaudio torchcodec   # they break transformers' imports
     apt-get install libtcmalloc-minimal4                            # for the "preloaded" setup
     python bench/vllm_compare.py --vllm-python .vllm/bin/python [--dtype bfloat16] [--workloads gpt2/decode,...]
-                                 [--our-setups tcmalloc]
+                                 [--our-setups tcmalloc,kernel,kernel+tcmalloc]
 
 Each model shape gets random weights (seed 0, GPT-2's 50,257-id vocabulary, 1,024 positions), exported
 once with export_hf to out/vllm_compare/<shape>; both engines load that folder. Prompts are cut from
@@ -25,7 +25,9 @@ Peak KV blocks: the most blocks of 16 tokens our pool held at once (vLLM does no
 vLLM setups: both cores bound to its worker (VLLM_CPU_OMP_THREADS_BIND=0-1; its default keeps one
 core for its front end); "preloaded" adds LD_PRELOAD of tcmalloc and the venv's libiomp5.so, as
 vLLM's CPU documentation asks. Ours runs as generate.py runs it, and with --our-setups tcmalloc also with
-tcmalloc preloaded ("ours tcmalloc"), the one step a user takes for it (docs/vllm.md#the-allocator).
+tcmalloc preloaded ("ours tcmalloc"), the one step a user takes for it (docs/vllm.md#the-allocator); kernel adds
+ours with decode attention through its C kernel (generate.py --compile kernel, ext/cpu_kernel.py), and
+kernel+tcmalloc both.
 """
 
 import argparse
@@ -114,8 +116,13 @@ def run_ours(job):
         num_blocks = sum(blocks_for(len(p) + new_tokens, 16) for p in prompts) * width
         # vLLM's LLM class on a CPU schedules up to 4,096 tokens a step (max_num_batched_tokens): ours the same
         # the engine generate.py builds: PagedEngine, and the forks extension for beams or samples
-        engine = engine_class(forks=width > 1)(
-            model, num_blocks=num_blocks, token_budget=4096, max_batch=64 * width, vocab_size=50257
+        engine = engine_class(forks=width > 1, compile=job["compile"])(
+            model,
+            num_blocks=num_blocks,
+            token_budget=4096,
+            max_batch=64 * width,
+            vocab_size=50257,
+            compile=job["compile"],
         )
         requests = [
             Request(p, new_tokens, SamplingParams(num_beams=job["beams"]))
@@ -176,6 +183,7 @@ def run_vllm(job):
 def worker(args):
     with open(args.worker_job) as f:
         job = json.load(f)
+    job["compile"] = args.worker_compile
     result = (run_ours if args.worker == "ours" else run_vllm)(job)
     print("RESULT " + json.dumps(result), flush=True)
 
@@ -184,20 +192,22 @@ def setups(vllm_python, names):
     bind = dict(VLLM_CPU_OMP_THREADS_BIND="0-1")
     iomp = glob.glob(os.path.join(os.path.dirname(os.path.dirname(vllm_python)), "lib", "libiomp5.so"))
     tcmalloc = glob.glob("/usr/lib/*/libtcmalloc_minimal.so.4")
-    out = {"vllm plain": bind}
+    out = {"vllm plain": (bind, None)}
     if iomp and tcmalloc:
-        out["vllm preloaded"] = dict(bind, LD_PRELOAD=f"{tcmalloc[0]}:{iomp[0]}")
-    return {name: env for name, env in out.items() if name.split()[1] in names}
+        out["vllm preloaded"] = (dict(bind, LD_PRELOAD=f"{tcmalloc[0]}:{iomp[0]}"), None)
+    return {name: setup for name, setup in out.items() if name.split()[1] in names}
 
 
 def our_setups(names):
-    """Ours as generate.py runs it ("ours"), and with tcmalloc preloaded ("ours tcmalloc", docs/vllm.md#the-allocator)
-    where it is installed."""
+    """-> {name: (environment, compile mode)}: ours as generate.py runs it ("ours"), with tcmalloc preloaded ("ours
+    tcmalloc", docs/vllm.md#the-allocator) where it is installed, with the C decode attention ("ours kernel",
+    --compile kernel), and with both."""
     tcmalloc = glob.glob("/usr/lib/*/libtcmalloc_minimal.so.4")
-    out = {"ours": {}}
+    out = {"ours": ({}, "auto"), "ours kernel": ({}, "kernel")}
     if tcmalloc:
-        out["ours tcmalloc"] = dict(LD_PRELOAD=tcmalloc[0])
-    return {name: env for name, env in out.items() if name == "ours" or name.split()[1] in names}
+        out["ours tcmalloc"] = (dict(LD_PRELOAD=tcmalloc[0]), "auto")
+        out["ours kernel+tcmalloc"] = (dict(LD_PRELOAD=tcmalloc[0]), "kernel")
+    return {name: setup for name, setup in out.items() if name == "ours" or name.split()[1] in names}
 
 
 def cpu_line():
@@ -225,8 +235,9 @@ def read_bandwidth():
     return x.numel() * 4 / statistics.median(seconds) / 1e9, torch.get_num_threads()
 
 
-def launch(python, kind, job_file, env):
+def launch(python, kind, job_file, env, compile):
     cmd = [python, os.path.abspath(__file__), "--worker", kind, "--worker-job", job_file]
+    cmd += ["--worker-compile", compile] if compile else []
     proc = subprocess.run(cmd, check=False, env={**os.environ, **env}, capture_output=True, text=True, cwd=ROOT)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode or not lines:
@@ -245,11 +256,15 @@ def main():
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="both engines run this dtype")
     p.add_argument("--setups", default="plain,preloaded", help="the vLLM setups to run: plain, preloaded or both")
     p.add_argument(
-        "--our-setups", default="", help="ours runs plain, and with tcmalloc preloaded if this says tcmalloc"
+        "--our-setups",
+        default="",
+        help="ours runs plain, and also with each of these: tcmalloc (preloaded), kernel (--compile kernel), "
+        "kernel+tcmalloc",
     )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--worker-job", help=argparse.SUPPRESS)
+    p.add_argument("--worker-compile", default="auto", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         return worker(args)
@@ -279,9 +294,9 @@ def main():
             json.dump(job, f)
         speeds, outputs, versions, threads, peaks = {}, {}, {}, None, []
         for _ in range(args.repeats):
-            for engine, env in list(ours_envs.items()) + list(envs.items()):
+            for engine, (env, compile) in list(ours_envs.items()) + list(envs.items()):
                 kind = "ours" if engine in ours_envs else "vllm"
-                result = launch(sys.executable if kind == "ours" else args.vllm_python, kind, job_file, env)
+                result = launch(sys.executable if kind == "ours" else args.vllm_python, kind, job_file, env, compile)
                 counted = sum(len(seq) for out in result["outputs"] for seq in out)  # best beams, or every sample
                 speeds.setdefault(engine, []).append(counted / result["seconds"])
                 outputs.setdefault(engine, result["outputs"])

@@ -8,6 +8,7 @@
                switches on where a GPU measured them: async_steps.py (async_steps) and flex_decode.py
                (decode_attention)
     compiled_steps.py  small steps as one compiled graph on a CPU  (compile="step")
+    cpu_kernel.py  decode attention through a C kernel of our own on a CPU  (compile="kernel")
     padded_chunks.py  short chunks after cached K/V attend in one call  (by speculative.py and logprobs.py)
     invariant.py  a batch-invariant forward on a CPU: a token's values whatever runs beside it  (invariant=True)
 
@@ -21,6 +22,7 @@ ServingEngine has them all, each idle until asked for, and gives the core's toke
 import functools
 
 from ext.compiled_steps import CompiledSteps
+from ext.cpu_kernel import CpuKernel
 from ext.cuda import CudaGraphs
 from ext.forks import PagedForks
 from ext.invariant import Invariant
@@ -32,13 +34,13 @@ from scheduler import PagedEngine
 __all__ = ["ServingEngine", "engine_class"]
 
 # in the order they compose
-EXTENSIONS = (Invariant, CompiledSteps, Speculative, PagedForks, Logprobs, Swap, CudaGraphs)
+EXTENSIONS = (Invariant, CompiledSteps, Speculative, PagedForks, Logprobs, Swap, CudaGraphs, CpuKernel)
 
 
 def engine_class(*, forks=False, logprobs=False, swap=False, speculative=False, invariant=False, compile="auto"):
     """PagedEngine with the extensions asked for: forks (n samples or beams), logprobs, swap (a swap space),
     speculative (speculative decoding), invariant (a batch-invariant forward), and the one that brings compile
-    mode "graph" or "step". None asked: PagedEngine."""
+    mode "graph", "step" or "kernel". None asked: PagedEngine."""
     wanted = {
         Invariant: invariant,
         CompiledSteps: compile == "step",
@@ -47,6 +49,7 @@ def engine_class(*, forks=False, logprobs=False, swap=False, speculative=False, 
         Logprobs: logprobs,
         Swap: swap,
         CudaGraphs: compile == "graph",
+        CpuKernel: compile == "kernel",
     }
     return compose(*(extension for extension in EXTENSIONS if wanted[extension]))
 

@@ -79,8 +79,8 @@ def check_sweep(args, sweep):
     if args.pool_map or args.prompt or args.prompts:
         fail(f"{given[0]} serves its own workloads: it takes no --pool-map, --prompt or --prompts")
     # on, graph: dynamo would compile a graph per block size, past its limit of 8; step: ~35-60 s for a sweep's
-    # few small steps
-    if args.compile in ("on", "graph", "step"):
+    # few small steps; kernel: eager is what the sweep's figures are measured with
+    if args.compile in ("on", "graph", "step", "kernel"):
         fail(f"{given[0]} runs decode attention eager: it takes no --compile {args.compile}")
     args.compile = "off"
     if args.kv_budget and args.kv_budget < max(sweep):

@@ -173,7 +173,8 @@ def warm_up(engine, num_sequences):
         rows = max(2, engine.compile_from)
         two_blocks = engine.block_size + 2 <= engine.window  # else no step ever reads two blocks
         room = engine.allocator.num_blocks >= 2 * rows + engine.watermark  # else the rows never decode together
-        if min(engine.max_batch, num_sequences) >= rows and two_blocks and room:
+        kernel = engine.compile == "kernel"  # the C kernel's decode attention is built with the engine
+        if min(engine.max_batch, num_sequences) >= rows and two_blocks and room and not kernel:
             runs.append(("decode attention", [Request([0], engine.block_size + 1) for _ in range(rows)]))
         if isinstance(engine, Logprobs) and engine.device.type == "cpu":  # their scores compile at first use
             runs.append(("log-probabilities", [Request([0, 0], 2, SamplingParams(logprobs=1))]))

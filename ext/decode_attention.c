@@ -1,0 +1,126 @@
+/* Decode attention on a CPU, read straight from the paged pool: each row is one new token's query, and its keys
+   and values are the slots its block table names. ext/cpu_kernel.py builds this file with the system's C compiler
+   (-O3 -march=native -fopenmp) and calls it through ctypes, after torch has loaded its own OpenMP runtime, so the
+   rows are shared out among torch's threads, one row per thread at a time.
+   Shapes, every array contiguous: q and out (B, H, D); k_pool and v_pool (slots, H, D), one layer's pool with its
+   blocks flattened (slot = block * block_size + offset); table (B, W) int64 blocks; kv_len (B,) int64 keys.
+   Built twice: REAL float (float32 pools, or bfloat16 ones: bf16 != 0) and REAL double (float64 pools, so that the
+   tests hold it to the exact oracles). Scores, softmax and sums are in REAL. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifndef REAL
+#define REAL float
+#define EXP expf
+#endif
+typedef REAL real;
+
+/* n values as reals: x itself, or converted into buf (bfloat16: its 16 bits are a float32's high half) */
+static const real *as_reals(const void *x, int64_t n, int bf16, real *buf) {
+    if (!bf16)
+        return x;
+    const uint16_t *half = x;
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u = (uint32_t)half[i] << 16;
+        float f;
+        memcpy(&f, &u, 4);
+        buf[i] = f;
+    }
+    return buf;
+}
+
+/* float32 -> bfloat16, rounded to nearest even, as torch rounds */
+static uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return (u + 0x7FFF + ((u >> 16) & 1)) >> 16;
+}
+
+/* where key t of a row (its blocks) sits: every head's, HD values of `size` bytes */
+static const void *slot_of(const void *pool, const int64_t *blocks, int64_t t, int64_t block_size, int64_t HD,
+                           int64_t size) {
+    int64_t slot = blocks[t / block_size] * block_size + t % block_size;
+    return (const char *)pool + slot * HD * size;
+}
+
+/* One row's L keys: scores (H, max_len), each head's softmax, then the weighted values summed into acc (H, D).
+   Keys and values are read slot by slot, every head at once, as the pool lays them out. Inlined, so that a
+   constant D (the common head sizes, below) lets the compiler unroll the head's loops. */
+static inline __attribute__((always_inline)) void attend_row(const real *q, const void *k_pool, const void *v_pool,
+                                                             const int64_t *blocks, int64_t L, int64_t H, int64_t D,
+                                                             int64_t block_size, int64_t max_len, int bf16,
+                                                             real *scores, real *acc, real *buf) {
+    int64_t HD = H * D, size = bf16 ? 2 : sizeof(real);
+    for (int64_t t = 0; t < L; t++) {
+        const real *k = as_reals(slot_of(k_pool, blocks, t, block_size, HD, size), HD, bf16, buf);
+        for (int64_t h = 0; h < H; h++) {
+            real dot = 0;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < D; d++)
+                dot += q[h * D + d] * k[h * D + d];
+            scores[h * max_len + t] = dot;
+        }
+    }
+    for (int64_t h = 0; h < H; h++) {
+        real *s = scores + h * max_len, best = -INFINITY, total = 0;
+        for (int64_t t = 0; t < L; t++)
+            best = s[t] > best ? s[t] : best;
+        for (int64_t t = 0; t < L; t++) {
+            s[t] = EXP(s[t] - best);
+            total += s[t];
+        }
+        for (int64_t t = 0; t < L; t++)
+            s[t] /= total;
+    }
+    memset(acc, 0, sizeof(real) * HD);
+    for (int64_t t = 0; t < L; t++) {
+        const real *v = as_reals(slot_of(v_pool, blocks, t, block_size, HD, size), HD, bf16, buf);
+        for (int64_t h = 0; h < H; h++) {
+            real p = scores[h * max_len + t];
+#pragma omp simd
+            for (int64_t d = 0; d < D; d++)
+                acc[h * D + d] += p * v[h * D + d];
+        }
+    }
+}
+
+/* The rows, shared among the threads; returns 0, or -1 where a thread's scratch could not be allocated. */
+int decode_attend(const void *q, const void *k_pool, const void *v_pool, const int64_t *table, const int64_t *kv_len,
+                  void *out, int64_t B, int64_t W, int64_t H, int64_t D, int64_t block_size, double scale, int bf16) {
+    int64_t HD = H * D, max_len = W * block_size, size = bf16 ? 2 : sizeof(real);
+    int failed = 0;
+#pragma omp parallel
+    {
+        real *scores = malloc(sizeof(real) * (H * max_len + 3 * HD)); /* then q, acc and buf: HD each */
+        if (!scores) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic)
+        for (int64_t b = 0; b < B; b++) {
+            if (!scores)
+                continue;
+            real *row_q = scores + H * max_len, *acc = row_q + HD, *buf = acc + HD;
+            const real *x = as_reals((const char *)q + b * HD * size, HD, bf16, buf);
+            for (int64_t i = 0; i < HD; i++)
+                row_q[i] = x[i] * (real)scale;
+            const int64_t *blocks = table + b * W;
+            if (D == 64)
+                attend_row(row_q, k_pool, v_pool, blocks, kv_len[b], H, 64, block_size, max_len, bf16, scores, acc, buf);
+            else if (D == 32)
+                attend_row(row_q, k_pool, v_pool, blocks, kv_len[b], H, 32, block_size, max_len, bf16, scores, acc, buf);
+            else
+                attend_row(row_q, k_pool, v_pool, blocks, kv_len[b], H, D, block_size, max_len, bf16, scores, acc, buf);
+            for (int64_t i = 0; i < HD; i++) {
+                if (bf16)
+                    ((uint16_t *)out)[b * HD + i] = to_bf16(acc[i]);
+                else
+                    ((real *)out)[b * HD + i] = acc[i];
+            }
+        }
+        free(scores);
+    }
+    return -failed;
+}

@@ -1,0 +1,168 @@
+"""Decode attention through the C kernel (compile="kernel", ext/cpu_kernel.py): its output equals gather_attend's in
+float64 to rounding, and within float32's and bf16's rounding of it in those dtypes, at every block size, head
+size and table with stale entries; a row's output is the same bits whatever rows run beside it; in float64 the
+engine's tokens equal the contiguous baseline's under preemption, swap, prefix hits, forks, beams and speculation,
+and the shipped model's float32 tokens equal the core's. A missing compiler or a failed build is one line."""
+
+import copy
+
+import pytest
+import torch
+from conftest import check_invariants, make_requests, run_engine
+from hypothesis import HealthCheck, given, settings
+from test_bf16 import prepack, prompts_from_the_plays
+from test_robust import run_random_workload, workloads
+from test_speculative import repetitive_prompts
+from test_swap import mixed_requests, outputs, storm_prompts
+
+from ext import ServingEngine, cpu_kernel, engine_class
+from ext.cpu_kernel import KernelBatch, kernel_attend
+from harness.checkpoints import SHIPPED, load_checkpoint
+from harness.contiguous import ContiguousEngine
+from harness.metrics import agreement
+from paged import gather_attend
+
+
+def random_rows(B, H, D, block_size, num_blocks, dtype, seed=0):
+    """B rows of 1 to 3 blocks' keys over a shuffled pool; each table has an entry past its row's blocks (stale:
+    a block another row holds, never read) -> q, k_pool, v_pool, table, kv_len."""
+    g = torch.Generator().manual_seed(seed)
+    k_pool, v_pool = torch.randn(2, num_blocks + 1, block_size, H, D, generator=g, dtype=torch.float64).to(dtype)
+    kv_len = torch.randint(1, 3 * block_size + 1, (B,), generator=g)
+    table = torch.randperm(num_blocks, generator=g)[: B * 4].view(B, 4)
+    q = torch.randn(B, H, D, generator=g, dtype=torch.float64).to(dtype)
+    return q, k_pool, v_pool, table, kv_len
+
+
+def record_batches(engine):
+    """Wrap make_batch -> the list it fills with each step's batch."""
+    batches, make_batch = [], engine.make_batch
+
+    def recorded(plan, samplers):
+        batches.append(make_batch(plan, samplers))
+        return batches[-1]
+
+    engine.make_batch = recorded
+    return batches
+
+
+@pytest.mark.parametrize("H, D", [(2, 32), (12, 64), (3, 24)])  # the two inlined head sizes, and any other
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_the_kernel_equals_gather_attend_in_every_dtype(H, D, block_size):
+    rows = random_rows(7, H, D, block_size, num_blocks=40, dtype=torch.float64)
+    want = gather_attend(*rows)
+    torch.testing.assert_close(kernel_attend(*rows), want, rtol=0, atol=1e-12)
+    for dtype, tolerance in [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)]:
+        q, k_pool, v_pool, table, kv_len = rows
+        low = (q.to(dtype), k_pool.to(dtype), v_pool.to(dtype), table, kv_len)
+        exact = gather_attend(*(t.double() if t.is_floating_point() else t for t in low))  # of the rounded inputs
+        got = kernel_attend(*low)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.double(), exact, rtol=tolerance, atol=tolerance)
+
+
+def test_a_rows_output_is_the_same_bits_whatever_runs_beside_it():
+    """Each row is one thread's, start to end, in one order: batch-invariant, at any thread count and table width."""
+    threads = torch.get_num_threads()
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k_pool, v_pool, table, kv_len = random_rows(9, 4, 32, 4, num_blocks=60, dtype=dtype, seed=1)
+        together = kernel_attend(q, k_pool, v_pool, table, kv_len)
+        try:
+            torch.set_num_threads(1)
+            for b in range(9):
+                wider = torch.cat([table[b : b + 1], table[:1]], dim=1)  # more stale entries, a longer scratch
+                alone = kernel_attend(q[b : b + 1], k_pool, v_pool, wider, kv_len[b : b + 1])
+                assert torch.equal(alone[0], together[b])
+        finally:
+            torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("block_size, num_blocks", [(1, 70), (3, 30), (16, 10)])
+def test_the_kernel_engine_equals_the_core_under_preemption_swap_forks_and_beams(model, block_size, num_blocks):
+    """float64: plain, sampled, n samples and beams over prompts with shared heads, in a pool that preempts
+    (recompute and swap); the kernel engine's outputs equal the core engine's, which equal the oracles
+    (tests/test_swap.py). Every decode step attends through the kernel."""
+    prompts = storm_prompts(block_size, 12, block_size)
+    kw = dict(num_blocks=num_blocks, block_size=block_size, token_budget=24, max_batch=12)
+    for swap_blocks in [0, 4 * num_blocks]:
+        want = mixed_requests(prompts)
+        run_engine(ServingEngine(model, swap_blocks=swap_blocks, **kw), want)
+        got = mixed_requests(prompts)
+        engine = ServingEngine(model, swap_blocks=swap_blocks, compile="kernel", **kw)
+        batches = record_batches(engine)
+        run_engine(engine, got, check=True)
+        assert outputs(got) == outputs(want)
+        assert engine.meter.num_preemptions > 0 and engine.meter.cached_tokens > 0
+        assert all(isinstance(b, KernelBatch) for b in batches) and engine.allocator.num_free() == num_blocks
+
+
+def test_the_kernel_engine_speculating_gives_plain_decodings_tokens(model):
+    prompts = repetitive_prompts(8, 4)
+    news = [5 + 3 * i for i in range(8)]
+    for temperature, top_k in [(0.0, None), (0.05, 40)]:
+        want = run_engine(
+            ServingEngine(model, num_blocks=200, block_size=4), make_requests(prompts, news, temperature, top_k)
+        )
+        engine = ServingEngine(model, num_blocks=200, block_size=4, num_speculative_tokens=4, compile="kernel")
+        assert run_engine(engine, make_requests(prompts, news, temperature, top_k), check=True) == want
+        assert sum(stats[0] for stats in engine.meter.speculation.values()) > 0
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(w=workloads())
+def test_random_workloads_through_the_kernel_match_the_baseline(model, w):
+    engine = run_random_workload(model, w, engine_class(compile="kernel"), compile="kernel")
+    check_invariants(engine)
+    assert engine.allocator.num_free() == w["num_blocks"]
+
+
+def test_the_shipped_models_float32_tokens_through_the_kernel_are_the_cores():
+    """Greedy and sampled, at 1, 4 and 16 rows a step (the core: a lone row in place, eager rows, then compiled)."""
+    model = load_checkpoint(SHIPPED)
+    prompts = [[(7 * i + j) % 2048 for j in range(5 + 9 * i)] for i in range(16)]
+    for rows in [1, 4, 16]:
+        want = mixed_requests(prompts[: rows * 2])
+        run_engine(ServingEngine(model, num_blocks=200, max_batch=rows), want)
+        got = mixed_requests(prompts[: rows * 2])
+        run_engine(ServingEngine(model, num_blocks=200, max_batch=rows, compile="kernel"), got, check=True)
+        assert outputs(got) == outputs(want)
+
+
+def test_the_shipped_model_in_bf16_agrees_with_the_baseline_as_the_cores_paths_do():
+    """tests/test_bf16.py's check of the core's eager and compiled paths, through the kernel: bf16 rounds apart
+    in each, so outputs may part after a near tie; a K/V in a wrong slot, block or dtype would part at once."""
+    model = load_checkpoint(SHIPPED).to(torch.bfloat16)
+    prepack(model)
+    prompts, news = prompts_from_the_plays(16, 40), [32] * 16
+    want = run_engine(ContiguousEngine(model, max_batch=16), make_requests(prompts, news))
+    kw = dict(num_blocks=24, block_size=4, token_budget=64, max_batch=16)
+    engine = ServingEngine(model, compile="kernel", **kw)
+    got = run_engine(engine, make_requests(prompts, news), check=True)
+    assert engine.meter.num_preemptions > 0
+    assert sum(map(agreement, want, got)) / len(want) > 0.9
+    assert sum(a == b for a, b in zip(want, got)) >= 13
+
+
+def test_a_missing_compiler_or_a_failed_build_is_one_line(model, monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cpu_kernel.load_kernel.cache_clear()
+    try:
+        monkeypatch.setenv("CC", "no-such-cc")
+        with pytest.raises(ValueError, match="no C compiler 'no-such-cc' is on the PATH: set CC"):
+            ServingEngine(model, num_blocks=10, compile="kernel")
+        monkeypatch.delenv("CC")
+        broken = tmp_path / "decode_attention.c"
+        broken.write_text("int decode_attend( {\n")
+        monkeypatch.setattr(cpu_kernel, "SOURCE", broken)
+        with pytest.raises(ValueError, match="could not build decode_attention.c: .*error"):
+            ServingEngine(model, num_blocks=10, compile="kernel")
+        assert not list((tmp_path / "nanogpt-paged").glob("*.so"))  # nothing half-built left to load
+    finally:
+        cpu_kernel.load_kernel.cache_clear()  # the real kernel again, from its own cache
+
+
+def test_the_kernel_is_refused_off_the_cpu(model):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    with pytest.raises(ValueError, match="compile 'kernel' is a CPU kernel"):
+        ServingEngine(copy.deepcopy(model).cuda(), num_blocks=10, compile="kernel")
