@@ -31,6 +31,16 @@ static const real *as_reals(const void *x, int64_t n, int bf16, real *buf) {
     return buf;
 }
 
+/* value i of x: a real, or a bfloat16 (its 16 bits are a float32's high half) */
+static inline real load(const void *x, int64_t i, int bf16) {
+    if (!bf16)
+        return ((const real *)x)[i];
+    uint32_t u = (uint32_t)((const uint16_t *)x)[i] << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
 /* float32 -> bfloat16, rounded to nearest even, as torch rounds */
 static uint16_t to_bf16(float f) {
     uint32_t u;
@@ -54,12 +64,12 @@ static inline __attribute__((always_inline)) void attend_row(const real *q, cons
                                                              real *scores, real *acc, real *buf) {
     int64_t HD = H * D, size = bf16 ? 2 : sizeof(real);
     for (int64_t t = 0; t < L; t++) {
-        const real *k = as_reals(slot_of(k_pool, blocks, t, block_size, HD, size), HD, bf16, buf);
+        const void *k = slot_of(k_pool, blocks, t, block_size, HD, size);
         for (int64_t h = 0; h < H; h++) {
             real dot = 0;
 #pragma omp simd reduction(+ : dot)
             for (int64_t d = 0; d < D; d++)
-                dot += q[h * D + d] * k[h * D + d];
+                dot += q[h * D + d] * load(k, h * D + d, bf16);
             scores[h * max_len + t] = dot;
         }
     }
@@ -76,12 +86,12 @@ static inline __attribute__((always_inline)) void attend_row(const real *q, cons
     }
     memset(acc, 0, sizeof(real) * HD);
     for (int64_t t = 0; t < L; t++) {
-        const real *v = as_reals(slot_of(v_pool, blocks, t, block_size, HD, size), HD, bf16, buf);
+        const void *v = slot_of(v_pool, blocks, t, block_size, HD, size);
         for (int64_t h = 0; h < H; h++) {
             real p = scores[h * max_len + t];
 #pragma omp simd
             for (int64_t d = 0; d < D; d++)
-                acc[h * D + d] += p * v[h * D + d];
+                acc[h * D + d] += p * load(v, h * D + d, bf16);
         }
     }
 }
@@ -107,12 +117,18 @@ int decode_attend(const void *q, const void *k_pool, const void *v_pool, const i
             for (int64_t i = 0; i < HD; i++)
                 row_q[i] = x[i] * (real)scale;
             const int64_t *blocks = table + b * W;
-            if (D == 64)
-                attend_row(row_q, k_pool, v_pool, blocks, kv_len[b], H, 64, block_size, max_len, bf16, scores, acc, buf);
+            if (bf16 && D == 64)
+                attend_row(row_q, k_pool, v_pool, blocks, kv_len[b], H, 64, block_size, max_len, 1, scores, acc, buf);
+            else if (bf16 && D == 32)
+                attend_row(row_q, k_pool, v_pool, blocks, kv_len[b], H, 32, block_size, max_len, 1, scores, acc, buf);
+            else if (bf16)
+                attend_row(row_q, k_pool, v_pool, blocks, kv_len[b], H, D, block_size, max_len, 1, scores, acc, buf);
+            else if (D == 64)
+                attend_row(row_q, k_pool, v_pool, blocks, kv_len[b], H, 64, block_size, max_len, 0, scores, acc, buf);
             else if (D == 32)
-                attend_row(row_q, k_pool, v_pool, blocks, kv_len[b], H, 32, block_size, max_len, bf16, scores, acc, buf);
+                attend_row(row_q, k_pool, v_pool, blocks, kv_len[b], H, 32, block_size, max_len, 0, scores, acc, buf);
             else
-                attend_row(row_q, k_pool, v_pool, blocks, kv_len[b], H, D, block_size, max_len, bf16, scores, acc, buf);
+                attend_row(row_q, k_pool, v_pool, blocks, kv_len[b], H, D, block_size, max_len, 0, scores, acc, buf);
             for (int64_t i = 0; i < HD; i++) {
                 if (bf16)
                     ((uint16_t *)out)[b * HD + i] = to_bf16(acc[i]);
