@@ -15,8 +15,9 @@ The seams, each: who calls it -> who overrides it (ext/ unless named).
       can_admit(s, cached)  admit_next -> forks (rows and block copies for n samples)
       blocks_needed(r)      PagedEngine.check -> forks (a block set a beam)
     samplers(plan)          step -> forks (a prompt's n samples), speculative (each proposal), logprobs (prompt)
-    make_batch(plan, ...)   step -> PagedEngine (batch_class: cuda's staging, padded_chunks' short chunks), cuda
-                            (a padded decode step), compiled_steps (a small step's rows), ContiguousEngine
+    make_batch(plan, ...)   step -> PagedEngine (batch_class: cuda's staging, padded_chunks' short chunks, cpu_kernel's
+                            decode attention), cuda (a padded decode step), compiled_steps (a small step's rows),
+                            ContiguousEngine
     forward(batch)          step -> cuda (replays a captured graph), compiled_steps (its compiled graph); a padded
                             batch's forward returns one logits row per sampler
     mark_computed(plan)     step -> PagedEngine (the prefix cache), forks (forks take their parent's blocks),
@@ -28,7 +29,8 @@ The seams, each: who calls it -> who overrides it (ext/ unless named).
     notify(event, ...)      the engine -> its observers (harness/observer.py)
 Beside them: a batch's stage (cuda: one copy) and attend_chunks (padded_chunks, for speculative and logprobs),
 Sequence.proposed (speculative), Sampler.back (speculative, logprobs), PagedEngine.compile_modes (cuda: graph;
-compiled_steps: step), and the block arithmetic extensions call: place_blocks, blocks_to_admit, spare_blocks."""
+compiled_steps: step; cpu_kernel: kernel), and the block arithmetic extensions call: place_blocks, blocks_to_admit,
+spare_blocks."""
 
 import math
 from collections import deque

@@ -16,7 +16,8 @@ class PagedEngine(Engine):
     sets the process's allocator first (example.py), which the command line does too."""
 
     batch_class = PagedBatch  # the CUDA extension's stages each step in one copy (ext/cuda.py)
-    # an extension that adds a mode adds it here: "graph" (ext/cuda.py), "step" (ext/compiled_steps.py)
+    # an extension that adds a mode adds it here: "graph" (ext/cuda.py), "step" (ext/compiled_steps.py), "kernel"
+    # (ext/cpu_kernel.py)
     compile_modes = ("auto", "on", "off")
 
     def __init__(self, model, *, num_blocks, block_size=16, token_budget=512, prefix_cache=True, compile="auto", **kw):

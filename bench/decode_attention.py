@@ -1,5 +1,5 @@
 """Decode attention against the machine's read bandwidth, at GPT-2 small's heads (12 x 64), one layer: a
-batch of one-token rows, each over its own context in a pool of 16-token blocks, read three ways.
+batch of one-token rows, each over its own context in a pool of 16-token blocks, read six ways.
 
     python bench/decode_attention.py [--dtype float32] [--batch 64] [--contexts 144,528,1040] [--rounds 7]
                                      [--shortest 0.5]
@@ -10,6 +10,8 @@ batch of one-token rows, each over its own context in a pool of 16-token blocks,
              its own, then each row's blocks combined; its tables are built on the host, timed apart;
   flat       not in the engine: the values summed over all of a row's keys at once;
   eager      the engine's eager path: gather whole blocks (a copy), then SDPA;
+  kernel     --compile kernel's path (ext/cpu_kernel.py): a C kernel that walks each row's block table, one
+             row per thread at a time;
   flex       not in the engine: bench/gpu.py's flex_attention candidate, compiled, the block table as its
              block mask (built once a step, timed apart); inductor's CPU template takes it with a 4-D query
              and a mask as wide as the pool (it refuses one narrower than the keys).
@@ -36,6 +38,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bench.gpu import flex_block_mask
 from bench.vllm_compare import cpu_line, read_bandwidth
+from ext.cpu_kernel import kernel_attend
 from model import attend, visible_keys
 from paged import blocks_for, gather_attend, gather_kv
 
@@ -176,7 +179,7 @@ def main():
     print(f"{cpu_line()}; torch {torch.__version__}, {threads} threads, {time.strftime('%Y-%m-%d')}")
     print(f"read bandwidth: {bandwidth:.1f} GB/s (a float32 sum over 256 MB, median of 7)")
     paths = {"compiled": compiled(gather_attend), "ragged": compiled(ragged_gather_attend)}
-    paths.update(flat=compiled(flat_gather_attend), eager=eager_attend)
+    paths.update(flat=compiled(flat_gather_attend), eager=eager_attend, kernel=kernel_attend)
     torch._dynamo.config.recompile_limit = 64  # flex compiles each case's shapes: its decoding kernel wants them static
     paths["flex"] = torch.compile(flex_attend, dynamic=False)
     for context in map(int, args.contexts.split(",")):

@@ -48,29 +48,30 @@ static uint16_t to_bf16(float f) {
     return (u + 0x7FFF + ((u >> 16) & 1)) >> 16;
 }
 
-/* where key t of a row (its blocks) sits: every head's, HD values of `size` bytes */
-static const void *slot_of(const void *pool, const int64_t *blocks, int64_t t, int64_t block_size, int64_t HD,
-                           int64_t size) {
-    int64_t slot = blocks[t / block_size] * block_size + t % block_size;
-    return (const char *)pool + slot * HD * size;
+/* the first key of a row's block j, every head's: HD values of `size` bytes each */
+static const char *block_start(const void *pool, const int64_t *blocks, int64_t j, int64_t block_size, int64_t HD,
+                               int64_t size) {
+    return (const char *)pool + blocks[j] * block_size * HD * size;
 }
 
 /* One row's L keys: scores (H, max_len), each head's softmax, then the weighted values summed into acc (H, D).
-   Keys and values are read slot by slot, every head at once, as the pool lays them out. Inlined, so that a
-   constant D (the common head sizes, below) lets the compiler unroll the head's loops. */
+   Keys and values are read block by block and slot by slot, every head at once, as the pool lays them out.
+   Inlined, so that a constant D (the common head sizes, below) lets the compiler unroll the head's loops. */
 static inline __attribute__((always_inline)) void attend_row(const real *q, const void *k_pool, const void *v_pool,
                                                              const int64_t *blocks, int64_t L, int64_t H, int64_t D,
                                                              int64_t block_size, int64_t max_len, int bf16,
-                                                             real *scores, real *acc, real *buf) {
+                                                             real *scores, real *acc) {
     int64_t HD = H * D, size = bf16 ? 2 : sizeof(real);
-    for (int64_t t = 0; t < L; t++) {
-        const void *k = slot_of(k_pool, blocks, t, block_size, HD, size);
-        for (int64_t h = 0; h < H; h++) {
-            real dot = 0;
+    for (int64_t j = 0, t = 0; t < L; j++) {
+        const char *k = block_start(k_pool, blocks, j, block_size, HD, size);
+        for (int64_t offset = 0; offset < block_size && t < L; offset++, t++, k += HD * size) {
+            for (int64_t h = 0; h < H; h++) {
+                real dot = 0;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < D; d++)
-                dot += q[h * D + d] * load(k, h * D + d, bf16);
-            scores[h * max_len + t] = dot;
+                for (int64_t d = 0; d < D; d++)
+                    dot += q[h * D + d] * load(k, h * D + d, bf16);
+                scores[h * max_len + t] = dot;
+            }
         }
     }
     for (int64_t h = 0; h < H; h++) {
@@ -85,13 +86,15 @@ static inline __attribute__((always_inline)) void attend_row(const real *q, cons
             s[t] /= total;
     }
     memset(acc, 0, sizeof(real) * HD);
-    for (int64_t t = 0; t < L; t++) {
-        const void *v = slot_of(v_pool, blocks, t, block_size, HD, size);
-        for (int64_t h = 0; h < H; h++) {
-            real p = scores[h * max_len + t];
+    for (int64_t j = 0, t = 0; t < L; j++) {
+        const char *v = block_start(v_pool, blocks, j, block_size, HD, size);
+        for (int64_t offset = 0; offset < block_size && t < L; offset++, t++, v += HD * size) {
+            for (int64_t h = 0; h < H; h++) {
+                real p = scores[h * max_len + t];
 #pragma omp simd
-            for (int64_t d = 0; d < D; d++)
-                acc[h * D + d] += p * load(v, h * D + d, bf16);
+                for (int64_t d = 0; d < D; d++)
+                    acc[h * D + d] += p * load(v, h * D + d, bf16);
+            }
         }
     }
 }
@@ -103,7 +106,7 @@ int decode_attend(const void *q, const void *k_pool, const void *v_pool, const i
     int failed = 0;
 #pragma omp parallel
     {
-        real *scores = malloc(sizeof(real) * (H * max_len + 3 * HD)); /* then q, acc and buf: HD each */
+        real *scores = malloc(sizeof(real) * (H * max_len + 3 * HD)); /* then q, acc and q's buf: HD each */
         if (!scores) {
 #pragma omp atomic write
             failed = 1;
@@ -118,17 +121,17 @@ int decode_attend(const void *q, const void *k_pool, const void *v_pool, const i
                 row_q[i] = x[i] * (real)scale;
             const int64_t *blocks = table + b * W;
             if (bf16 && D == 64)
-                attend_row(row_q, k_pool, v_pool, blocks, kv_len[b], H, 64, block_size, max_len, 1, scores, acc, buf);
+                attend_row(row_q, k_pool, v_pool, blocks, kv_len[b], H, 64, block_size, max_len, 1, scores, acc);
             else if (bf16 && D == 32)
-                attend_row(row_q, k_pool, v_pool, blocks, kv_len[b], H, 32, block_size, max_len, 1, scores, acc, buf);
+                attend_row(row_q, k_pool, v_pool, blocks, kv_len[b], H, 32, block_size, max_len, 1, scores, acc);
             else if (bf16)
-                attend_row(row_q, k_pool, v_pool, blocks, kv_len[b], H, D, block_size, max_len, 1, scores, acc, buf);
+                attend_row(row_q, k_pool, v_pool, blocks, kv_len[b], H, D, block_size, max_len, 1, scores, acc);
             else if (D == 64)
-                attend_row(row_q, k_pool, v_pool, blocks, kv_len[b], H, 64, block_size, max_len, 0, scores, acc, buf);
+                attend_row(row_q, k_pool, v_pool, blocks, kv_len[b], H, 64, block_size, max_len, 0, scores, acc);
             else if (D == 32)
-                attend_row(row_q, k_pool, v_pool, blocks, kv_len[b], H, 32, block_size, max_len, 0, scores, acc, buf);
+                attend_row(row_q, k_pool, v_pool, blocks, kv_len[b], H, 32, block_size, max_len, 0, scores, acc);
             else
-                attend_row(row_q, k_pool, v_pool, blocks, kv_len[b], H, D, block_size, max_len, 0, scores, acc, buf);
+                attend_row(row_q, k_pool, v_pool, blocks, kv_len[b], H, D, block_size, max_len, 0, scores, acc);
             for (int64_t i = 0; i < HD; i++) {
                 if (bf16)
                     ((uint16_t *)out)[b * HD + i] = to_bf16(acc[i]);

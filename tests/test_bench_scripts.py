@@ -26,7 +26,7 @@ RUNS = {
     "async_step.py": (["--num-requests", "6"], "the same tokens in 6 of 6 requests"),
     "bf16_quality.py": (["--num-prompts", "2"], "ours  bf16 against its float32"),
     "compile_cpu.py": (["--help"], "--rows ROWS"),  # 12-layer models, compiled: minutes
-    "decode_attention.py": (["--help"], "--contexts CONTEXTS"),  # five paths compiled
+    "decode_attention.py": (["--help"], "--contexts CONTEXTS"),  # five paths compiled, and the C kernel
     "floor.py": (["--repeats", "1", "--num-requests", "4"], "sample() per step, sampled"),
     "fork_memory.py": (
         ["--num-requests", "2", "--prompt-len", "8:16", "--new-tokens", "4:8", "--plot", "{tmp}/fork.png"],
