@@ -14,6 +14,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -37,47 +38,82 @@ def cpu_flags():
         return os.uname().machine
 
 
+def cache_folder():
+    """$XDG_CACHE_HOME/nanogpt-paged, or ~/.cache/nanogpt-paged where it is unset, empty or relative (as XDG says)."""
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    return (Path(base) if os.path.isabs(base) else Path.home() / ".cache") / "nanogpt-paged"
+
+
+def build(compiler, flags, library):
+    """Compile the kernel into `library`: aside, then renamed, so that no process loads a half-written one."""
+    library.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=library.parent) as folder:
+        built = Path(folder) / library.name
+        done = subprocess.run(
+            [*compiler, *flags, str(SOURCE), "-o", str(built), "-lm"], check=False, capture_output=True, text=True
+        )
+        if done.returncode:
+            lines = done.stderr.strip().splitlines() or ["no message"]
+            why = next((line for line in lines if "error" in line), lines[-1])  # the first error the compiler names
+            raise RuntimeError(f"compile 'kernel': {' '.join(compiler)} could not build {SOURCE.name}: {why}")
+        os.replace(built, library)
+
+
+def library_for(real):
+    """-> the compiler (a command: $CC may carry arguments), its flags, and the cached library's path: one per
+    source, compiler, flags and CPU."""
+    compiler = shlex.split(os.environ.get("CC") or "cc")
+    if shutil.which(compiler[0]) is None:
+        raise RuntimeError(
+            f"compile 'kernel' builds a C kernel, but no C compiler {compiler[0]!r} is on the PATH: set CC"
+        )
+    flags = FLAGS + BUILD_FLAGS[real]
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([*compiler, *flags, cpu_flags()]).encode()).hexdigest()[:16]
+    return compiler, flags, cache_folder() / f"decode_attention_{real}_{key}.so"
+
+
 @functools.cache
 def load_kernel(real="float"):
-    """-> the kernel's ctypes function computing in `real`, built once per source, flags and CPU into
-    ~/.cache/nanogpt-paged."""
-    compiler = os.environ.get("CC", "cc")
-    if shutil.which(compiler) is None:
-        raise RuntimeError(f"compile 'kernel' builds a C kernel, but no C compiler {compiler!r} is on the PATH: set CC")
-    flags = FLAGS + BUILD_FLAGS[real]
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join([compiler, *flags, cpu_flags()]).encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "nanogpt-paged"
-    library = cache / f"decode_attention_{real}_{key}.so"
-    if not library.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=cache) as build:  # built aside, then renamed: no half-written library
-            built = Path(build) / library.name
-            command = [compiler, *flags, str(SOURCE), "-o", str(built), "-lm"]
-            done = subprocess.run(command, check=False, capture_output=True, text=True)
-            if done.returncode:
-                lines = done.stderr.strip().splitlines() or ["no message"]
-                why = next((line for line in lines if "error" in line), lines[-1])  # the first error gcc names
-                raise RuntimeError(f"compile 'kernel': {compiler} could not build {SOURCE.name}: {why}")
-            os.replace(built, library)
-    kernel = ctypes.CDLL(str(library)).decode_attend
+    """-> the kernel's ctypes function computing in `real`, built at first use into cache_folder(). A cached
+    library that does not load (cut short, say) is built again, once."""
+    compiler, flags, library = library_for(real)
+    try:
+        if not library.exists():
+            build(compiler, flags, library)
+        try:
+            kernel = ctypes.CDLL(str(library)).decode_attend
+        except OSError:  # cut short or corrupt
+            build(compiler, flags, library)
+            kernel = ctypes.CDLL(str(library)).decode_attend
+    except OSError as e:
+        raise RuntimeError(f"compile 'kernel': cannot build or load {library}: {e}") from None
     pointer, size = ctypes.c_void_p, ctypes.c_int64
-    kernel.argtypes = [pointer] * 6 + [size] * 5 + [ctypes.c_double, ctypes.c_int]
+    kernel.argtypes = [pointer] * 6 + [size] * 6 + [ctypes.c_double, ctypes.c_int, ctypes.c_int]
     kernel.restype = ctypes.c_int
     return kernel
 
 
 def kernel_attend(q, k_pool, v_pool, table, kv_len):
-    """gather_attend's contract: q (B, H, D), pools (num_blocks + 1, block_size, H, D), table (B, W) int64,
-    kv_len (B,) int64 -> (B, H, D), in q's dtype."""
+    """gather_attend's contract: q (B, H, D), pools (num_blocks + 1, block_size, H, D) in q's dtype, table (B, W)
+    int64, kv_len (B,) int64 -> (B, H, D), in q's dtype. A row whose keys run past its table or the pool is
+    refused (ValueError), as gather_attend's indexing would."""
     B, H, D = q.shape
     q = q.contiguous()
     out = torch.empty_like(q)
     tensors = (q, k_pool, v_pool, table, kv_len, out)
-    assert all(t.is_contiguous() for t in tensors) and table.dtype == kv_len.dtype == torch.int64
+    if q.dtype not in REAL or k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
+        raise ValueError(f"kernel_attend takes q and pools of one dtype, float32, bf16 or float64: not {q.dtype}")
+    if not all(t.is_contiguous() for t in tensors):
+        raise ValueError("kernel_attend takes contiguous pools and tables")
+    if table.dtype != torch.int64 or kv_len.dtype != torch.int64:
+        raise ValueError("kernel_attend takes int64 tables and key counts")
     kernel = load_kernel(REAL[q.dtype])
     bf16 = int(q.dtype == torch.bfloat16)
-    if kernel(*(t.data_ptr() for t in tensors), B, table.shape[1], H, D, k_pool.shape[1], D**-0.5, bf16):
+    sizes = (B, table.shape[1], H, D, k_pool.shape[1], k_pool.shape[0])
+    done = kernel(*(t.data_ptr() for t in tensors), *sizes, D**-0.5, bf16, torch.get_num_threads())
+    if done == -2:
+        raise ValueError(f"kernel_attend: a row's keys run past its table ({table.shape[1]} blocks) or the pool")
+    if done:
         raise MemoryError(f"decode attention's scratch: {B} rows of {table.shape[1]} blocks")
     return out
 

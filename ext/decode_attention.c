@@ -99,12 +99,25 @@ static inline __attribute__((always_inline)) void attend_row(const real *q, cons
     }
 }
 
-/* The rows, shared among the threads; returns 0, or -1 where a thread's scratch could not be allocated. */
+/* whether a row reads only what it has: at most its table's keys, each in a block of the pool */
+static int row_fits(const int64_t *blocks, int64_t L, int64_t block_size, int64_t max_len, int64_t num_blocks) {
+    if (L < 0 || L > max_len)
+        return 0;
+    for (int64_t j = 0; j * block_size < L; j++)
+        if (blocks[j] < 0 || blocks[j] >= num_blocks)
+            return 0;
+    return 1;
+}
+
+/* The rows, shared among num_threads threads (torch's count: OpenMP keeps one per calling thread); returns 0, -1
+   where a thread's scratch could not be allocated, or -2 where a row's keys run past its table or the pool (that
+   row's output is not written; a scratch failure on another thread may say -1 instead). */
 int decode_attend(const void *q, const void *k_pool, const void *v_pool, const int64_t *table, const int64_t *kv_len,
-                  void *out, int64_t B, int64_t W, int64_t H, int64_t D, int64_t block_size, double scale, int bf16) {
+                  void *out, int64_t B, int64_t W, int64_t H, int64_t D, int64_t block_size, int64_t num_blocks,
+                  double scale, int bf16, int num_threads) {
     int64_t HD = H * D, max_len = W * block_size, size = bf16 ? 2 : sizeof(real);
     int failed = 0;
-#pragma omp parallel
+#pragma omp parallel num_threads(num_threads)
     {
         real *scores = malloc(sizeof(real) * (H * max_len + 3 * HD)); /* then q, acc and q's buf: HD each */
         if (!scores) {
@@ -113,13 +126,18 @@ int decode_attend(const void *q, const void *k_pool, const void *v_pool, const i
         }
 #pragma omp for schedule(dynamic)
         for (int64_t b = 0; b < B; b++) {
-            if (!scores)
+            const int64_t *blocks = table + b * W;
+            int fits = row_fits(blocks, kv_len[b], block_size, max_len, num_blocks);
+            if (!fits) {
+#pragma omp atomic write
+                failed = 2;
+            }
+            if (!scores || !fits)
                 continue;
             real *row_q = scores + H * max_len, *acc = row_q + HD, *buf = acc + HD;
             const real *x = as_reals((const char *)q + b * HD * size, HD, bf16, buf);
             for (int64_t i = 0; i < HD; i++)
                 row_q[i] = x[i] * (real)scale;
-            const int64_t *blocks = table + b * W;
             if (bf16 && D == 64)
                 attend_row(row_q, k_pool, v_pool, blocks, kv_len[b], H, 64, block_size, max_len, 1, scores, acc);
             else if (bf16 && D == 32)

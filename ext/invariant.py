@@ -224,7 +224,7 @@ class Invariant:
     def check_kernels(self, model):
         """min_rows and paddings as this CPU's kernels need them (fewest_rows, attention_paddings), or
         ValueError, in one line, where invariance cannot hold."""
-        if self.kv_pool.is_cuda or self.compile in ("graph", "step"):
+        if self.kv_pool.is_cuda or self.compile in ("graph", "step", "kernel"):
             why = "a GPU" if self.kv_pool.is_cuda else f"compile {self.compile!r}"
             raise ValueError(f"invariant=True runs on a CPU, with compile auto, on or off (not with {why})")
         # against the largest count tried, whatever the budget: a token's values do not depend on it either

@@ -5,6 +5,7 @@ engine's tokens equal the contiguous baseline's under preemption, swap, prefix h
 and the shipped model's float32 tokens equal the core's. A missing compiler or a failed build is one line."""
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -143,22 +144,67 @@ def test_the_shipped_model_in_bf16_agrees_with_the_baseline_as_the_cores_paths_d
     assert sum(a == b for a, b in zip(want, got)) >= 13
 
 
-def test_a_missing_compiler_or_a_failed_build_is_one_line(model, monkeypatch, tmp_path):
+@pytest.fixture
+def fresh_cache(monkeypatch, tmp_path):
+    """The kernel built anew into tmp_path/nanogpt-paged, then the real one again, from its own cache."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     cpu_kernel.load_kernel.cache_clear()
-    try:
-        monkeypatch.setenv("CC", "no-such-cc")
-        with pytest.raises(ValueError, match="no C compiler 'no-such-cc' is on the PATH: set CC"):
-            ServingEngine(model, num_blocks=10, compile="kernel")
-        monkeypatch.delenv("CC")
-        broken = tmp_path / "decode_attention.c"
-        broken.write_text("int decode_attend( {\n")
-        monkeypatch.setattr(cpu_kernel, "SOURCE", broken)
-        with pytest.raises(ValueError, match="could not build decode_attention.c: .*error"):
-            ServingEngine(model, num_blocks=10, compile="kernel")
-        assert not list((tmp_path / "nanogpt-paged").glob("*.so"))  # nothing half-built left to load
-    finally:
-        cpu_kernel.load_kernel.cache_clear()  # the real kernel again, from its own cache
+    yield tmp_path / "nanogpt-paged"
+    cpu_kernel.load_kernel.cache_clear()
+
+
+def test_a_missing_compiler_or_a_failed_build_is_one_line(model, monkeypatch, tmp_path, fresh_cache):
+    monkeypatch.setenv("CC", "no-such-cc")
+    with pytest.raises(ValueError, match="no C compiler 'no-such-cc' is on the PATH: set CC"):
+        ServingEngine(model, num_blocks=10, compile="kernel")
+    monkeypatch.setenv("CC", "cc -Wall")  # a compiler with its arguments, as make takes CC
+    ServingEngine(model, num_blocks=10, compile="kernel")
+    monkeypatch.delenv("CC")
+    cpu_kernel.load_kernel.cache_clear()
+    broken = tmp_path / "decode_attention.c"
+    broken.write_text("int decode_attend( {\n")
+    monkeypatch.setattr(cpu_kernel, "SOURCE", broken)
+    with pytest.raises(ValueError, match="could not build decode_attention.c: .*error"):
+        ServingEngine(model, num_blocks=10, compile="kernel")
+    assert not list(fresh_cache.glob("*/*"))  # nothing half-built left behind
+
+
+def test_a_corrupt_cached_kernel_is_built_again_and_an_unwritable_cache_is_one_line(model, monkeypatch, fresh_cache):
+    library = cpu_kernel.library_for("double")[2]
+    library.parent.mkdir(parents=True)
+    library.write_bytes(b"")  # cut short, by another process
+    rows = random_rows(3, 2, 32, 4, num_blocks=20, dtype=torch.float64)
+    torch.testing.assert_close(kernel_attend(*rows), gather_attend(*rows), rtol=0, atol=1e-12)
+    assert library.stat().st_size > 0
+    not_a_folder = fresh_cache.parent / "a_file"
+    not_a_folder.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(not_a_folder))
+    cpu_kernel.load_kernel.cache_clear()
+    with pytest.raises(ValueError, match="compile 'kernel': cannot build or load .*a_file"):
+        ServingEngine(model, num_blocks=10, compile="kernel")
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative")  # unset, empty or relative: ~/.cache, as XDG says
+    assert cpu_kernel.cache_folder() == Path.home() / ".cache" / "nanogpt-paged"
+
+
+def test_kernel_attend_refuses_what_it_cannot_read():
+    q, k_pool, v_pool, table, kv_len = random_rows(3, 2, 32, 4, num_blocks=20, dtype=torch.float32)
+    cases = [
+        ((q, k_pool.bfloat16(), v_pool.bfloat16(), table, kv_len), "of one dtype"),
+        ((q.half(), k_pool.half(), v_pool.half(), table, kv_len), "not torch.float16"),
+        ((q, k_pool, v_pool, table.int(), kv_len), "int64"),
+        ((q, k_pool.transpose(1, 2), v_pool, table, kv_len), "contiguous"),
+        ((q, k_pool, v_pool, table, kv_len + 4 * 4), "past its table"),  # more keys than 4 blocks of 4
+        ((q, k_pool, v_pool, table.clone().fill_(21), kv_len), "or the pool"),  # 20 blocks and the padding one
+    ]
+    for args, message in cases:
+        with pytest.raises(ValueError, match=message):
+            kernel_attend(*args)
+
+
+def test_invariance_is_refused_with_the_kernel(model):
+    """The batch-invariant forward's own rows would run instead of the kernel: refused, as with graph and step."""
+    with pytest.raises(ValueError, match="not with compile 'kernel'"):
+        ServingEngine(model, num_blocks=10, compile="kernel", invariant=True)
 
 
 def test_the_kernel_is_refused_off_the_cpu(model):
