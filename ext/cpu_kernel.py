@@ -2,12 +2,14 @@
 CPU gathers each row's blocks and calls SDPA (below 16 rows), or runs gather_attend through torch.compile; either
 way a step's rows go through torch ops made for dense tensors. ext/decode_attention.c walks each row's block
 table itself: one row per thread at a time, every head of a slot read at once, scores, softmax and sums in
-float32 (bf16 pools converted as they are read; float64 pools in float64), so nothing is gathered and no graph is
-dispatched (docs/vllm.md#decode-attention-in-c).
+float32 (bf16 values widened as they are read, or a bf16 pool's scores in bf16 pairs where the CPU has
+AVX512-BF16; float64 pools in float64), so nothing is gathered and no graph is dispatched
+(docs/vllm.md#decode-attention-in-c).
 
-The kernel is built at first use with the system's C compiler (cc, or $CC) into a cache folder, once per CPU (it
-is compiled for the CPU it runs on, -march=native), and loaded with ctypes after torch, so that its OpenMP
-threads are torch's. Prompt chunks keep SDPA; a float16 pool keeps the core's paths; a GPU is refused.
+The kernel is built at first use with the system's C compiler (cc, or $CC) into a cache folder, once per source,
+compiler, flags and CPU (it is compiled for the CPU it runs on, -march=native), and loaded with ctypes after
+torch, so that its OpenMP threads are torch's (with gcc: its libgomp is the one torch loaded; clang would bring
+its own runtime). Prompt chunks keep SDPA; a float16 pool keeps the core's paths; a GPU is refused.
 Plugs into the paged engine at batch_class."""
 
 import ctypes
