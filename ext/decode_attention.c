@@ -5,7 +5,8 @@
    Shapes, every array contiguous: q and out (B, H, D); k_pool and v_pool (slots, H, D), one layer's pool with its
    blocks flattened (slot = block * block_size + offset); table (B, W) int64 blocks; kv_len (B,) int64 keys.
    Built twice: REAL float (float32 pools, or bfloat16 ones: bf16 != 0) and REAL double (float64 pools, so that the
-   tests hold it to the exact oracles). Scores, softmax and sums are in REAL. */
+   tests hold it to the exact oracles). Scores, softmax and sums are in REAL; where the compiler targets AVX512-BF16,
+   a bf16 pool's scores are products of bf16 pairs summed in float32 (dot_bf16). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -160,18 +161,14 @@ int decode_attend(const void *q, const void *k_pool, const void *v_pool, const i
             const real *x = as_reals((const char *)q + b * HD * size, HD, bf16, buf);
             for (int64_t i = 0; i < HD; i++)
                 row_q[i] = x[i] * (real)scale;
-            if (bf16 && D == 64)
-                attend_row(row_q, k_pool, v_pool, blocks, kv_len[b], H, 64, block_size, max_len, 1, scores, acc, q16, (real)scale);
-            else if (bf16 && D == 32)
-                attend_row(row_q, k_pool, v_pool, blocks, kv_len[b], H, 32, block_size, max_len, 1, scores, acc, q16, (real)scale);
-            else if (bf16)
-                attend_row(row_q, k_pool, v_pool, blocks, kv_len[b], H, D, block_size, max_len, 1, scores, acc, q16, (real)scale);
-            else if (D == 64)
-                attend_row(row_q, k_pool, v_pool, blocks, kv_len[b], H, 64, block_size, max_len, 0, scores, acc, q16, (real)scale);
-            else if (D == 32)
-                attend_row(row_q, k_pool, v_pool, blocks, kv_len[b], H, 32, block_size, max_len, 0, scores, acc, q16, (real)scale);
+            /* the common head sizes, and bf16, as constants: the inlined row's loops unroll, and branch on neither */
+#define ATTEND(BF16, HEAD_SIZE)                                                                                        \
+    attend_row(row_q, k_pool, v_pool, blocks, kv_len[b], H, HEAD_SIZE, block_size, max_len, BF16, scores, acc, q16,    \
+               (real)scale)
+            if (bf16)
+                D == 64 ? ATTEND(1, 64) : D == 32 ? ATTEND(1, 32) : ATTEND(1, D);
             else
-                attend_row(row_q, k_pool, v_pool, blocks, kv_len[b], H, D, block_size, max_len, 0, scores, acc, q16, (real)scale);
+                D == 64 ? ATTEND(0, 64) : D == 32 ? ATTEND(0, 32) : ATTEND(0, D);
             for (int64_t i = 0; i < HD; i++) {
                 if (bf16)
                     ((uint16_t *)out)[b * HD + i] = to_bf16(acc[i]);
