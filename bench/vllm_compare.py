@@ -192,10 +192,10 @@ def setups(vllm_python, names):
     bind = dict(VLLM_CPU_OMP_THREADS_BIND="0-1")
     iomp = glob.glob(os.path.join(os.path.dirname(os.path.dirname(vllm_python)), "lib", "libiomp5.so"))
     tcmalloc = glob.glob("/usr/lib/*/libtcmalloc_minimal.so.4")
-    out = {"vllm plain": (bind, None)}
+    out = {"vllm plain": bind}
     if iomp and tcmalloc:
-        out["vllm preloaded"] = (dict(bind, LD_PRELOAD=f"{tcmalloc[0]}:{iomp[0]}"), None)
-    return {name: setup for name, setup in out.items() if name.split()[1] in names}
+        out["vllm preloaded"] = dict(bind, LD_PRELOAD=f"{tcmalloc[0]}:{iomp[0]}")
+    return {name: env for name, env in out.items() if name.split()[1] in names}
 
 
 def our_setups(names):
@@ -268,7 +268,7 @@ def main():
     args = p.parse_args()
     if args.worker:
         return worker(args)
-    envs = setups(args.vllm_python, args.setups.split(","))
+    envs = {name: (env, None) for name, env in setups(args.vllm_python, args.setups.split(",")).items()}
     ours_envs = our_setups(args.our_setups.split(","))
     print(
         f"$ python bench/vllm_compare.py --dtype {args.dtype} --workloads {args.workloads} --setups {args.setups} "
