@@ -11,16 +11,30 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-MKL_MAX_INPUTS = 128  # float32 weights of at most this many inputs multiply through MKL, K-major, not oneDNN
+
+def intel_cpu():
+    """Whether the CPU is Intel's, as /proc/cpuinfo names its vendor (elsewhere: no)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "GenuineIntel" in f.read()
+    except OSError:
+        return False
+
+
+# float32 weights of at most this many inputs multiply through MKL, K-major, not oneDNN: on an Intel CPU only. On
+# an AMD EPYC Zen 4 MKL's product is the slower (the tiny lm_head, 128 -> 50,304: 10.6 against oneDNN's 6.2 ms at
+# 64 rows, 1.15 against 0.76 at one; tiny decoding 1.6x as fast without it: docs/vllm.md#the-lm-head-through-mkl-2026-11-28)
+MKL_MAX_INPUTS = 128 if intel_cpu() else 0
 
 
 class PackedLinear(nn.Linear):
     """nn.Linear that multiplies by a copy of its weight reordered once into oneDNN's blocked layout, as
     inductor's freezing does (eager F.linear pays that reorder on every call). It shares the weight and bias of
     the nn.Linear it replaces, so weight tying and checkpoints are unchanged. A float32 weight of at most
-    MKL_MAX_INPUTS inputs is copied K-major instead and multiplied by MKL: oneDNN's call costs ~20 us, and at so
-    few inputs its layout gains nothing back (the shipped model's lm_head, 128 -> 2,048: 26 against 7 us at one
-    row, 127 against 96 at 64; batch-1 decoding 1.12x: docs/vllm.md#the-lm-head-through-mkl-2026-11-28)."""
+    MKL_MAX_INPUTS inputs (an Intel CPU's rule) is copied K-major instead and multiplied by MKL: oneDNN's call
+    costs ~20 us, and at so few inputs its layout gains nothing back (the shipped model's lm_head, 128 -> 2,048,
+    on a Xeon with AMX: 26 against 7 us at one row, 127 against 96 at 64; batch-1 decoding 1.12x:
+    docs/vllm.md#the-lm-head-through-mkl-2026-11-28)."""
 
     packed_version = None  # the weight's version the packed copy was made from: a weight changed since is not used
 

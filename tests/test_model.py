@@ -7,6 +7,7 @@ import torch
 from conftest import make_requests, run_engine, tiny_gpt
 
 from engine import PlanEntry, Sampler
+from harness import tuning
 from harness.checkpoints import get_tokenizer, load_checkpoint, shakespeare
 from harness.contiguous import ContiguousBatch, ContiguousEngine
 from harness.tuning import SMALL_GELU, PackedLinear, SmallGELU, prepare
@@ -106,10 +107,14 @@ def test_prepare_packs_the_callers_big_linears_and_engines_never_serve_a_stale_p
         assert run_engine(after, make_requests(prompts, news)) == changed
 
 
-def test_prepare_copies_a_narrow_float32_weight_k_major_for_mkl_and_it_computes_what_the_linear_does():
+def test_prepare_copies_a_narrow_float32_weight_k_major_for_mkl_and_it_computes_what_the_linear_does(monkeypatch):
     """A packed float32 linear of at most MKL_MAX_INPUTS inputs (the shipped model's lm_head, 128 -> 2,048) keeps
     a K-major copy for MKL instead of oneDNN's layout; wider ones and bf16 keep oneDNN's. Each computes what
-    F.linear does, and the engine gives an unprepared copy's greedy tokens; a weight changed since is not used."""
+    F.linear does, and the engine gives an unprepared copy's greedy tokens; a weight changed since is not used.
+    The rule is an Intel CPU's (elsewhere MKL_MAX_INPUTS is 0); here it holds on any CPU."""
+    with open("/proc/cpuinfo") as f:
+        assert tuning.MKL_MAX_INPUTS == (128 if "GenuineIntel" in f.read() else 0)
+    monkeypatch.setattr(tuning, "MKL_MAX_INPUTS", 128)
     model = tiny_gpt(seed=3, dtype=torch.float32, n_embd=128, n_head=4, vocab_size=1024)  # lm_head: 2**17 weights
     fresh = tiny_gpt(seed=3, dtype=torch.float32, n_embd=128, n_head=4, vocab_size=1024)
     prepare(model)
