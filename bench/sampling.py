@@ -1,6 +1,7 @@
 """Sampled decode against greedy at batch 64 with GPT-2's vocabulary, each sampling setting, and what sample() costs.
 
     python bench/sampling.py [--repeats 3] [--shapes tiny,gpt2] [--num-requests 64] [--new-tokens 128]
+                             [--compile auto|kernel]
 
 Each shape is a random-weight GPT with GPT-2's padded 50,304-id vocabulary (50,257 real ids): "tiny" is the
 shipped model's 4 layers x 128, where the lm_head and sampling are most of a decode step; "gpt2" is GPT-2
@@ -8,8 +9,9 @@ small's 12 x 768. The workload is the one bench/floor.py samples on: 64 prompts 
 held-out plays, 128 new tokens each, all at once, one PagedEngine with its defaults. Each repeat runs,
 alternated in one process after a warm-up of each: greedy; temperature 0.8 with top-k 200 (the "top-k" path);
 top-p 0.9 alone; min-p 0.05 alone; top-k 200 with logprobs=5 on every row (the engine composed with
-ext/logprobs.py, whose top ids come from an exact two-level selection, two_level_topk); and top-k 200 with that
-selection in the sampler's topk's place (measured, not in the core: docs/floor_and_sampling.md). Ratios are
+ext/logprobs.py, whose top ids come from an exact two-level selection, two_level_topk). With --compile kernel
+every engine runs ext/cpu_kernel.py's C kernels: decode attention, and the top-k rows' candidates selected by
+ext/top_k.c (docs/floor_and_sampling.md). Ratios are
 taken per repeat; sample() is timed around the engine's own call, per step, median over the run. Random weights
 give nearly flat logits, so top-p 0.9 keeps most of the vocabulary here (the share is printed): the worst case
 for a sort. With --num-requests below 16 (nothing compiles), --new-tokens 16 and --repeats 1, a check that the
@@ -28,44 +30,31 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from ext import engine_class
-from ext.logprobs import two_level_topk
 from harness.checkpoints import get_tokenizer
 from harness.serving import workload
 from harness.tuning import prepare
 from model import GPT, GPTConfig
 from paged import blocks_for
-from scheduler import PagedEngine
 from sequence import Request, SamplingParams
 
 SHAPES = {"tiny": (4, 4, 128), "gpt2": (12, 12, 768)}  # n_layer, n_head, n_embd
 
 
-def two_level_topk_method(x, k, *args, **kwargs):
-    """torch.Tensor.topk through ext/logprobs.py's exact two-level selection (two_level_topk) where it takes the
-    call: a (R, V) row block, k alone."""
-    if args or kwargs or x.dim() != 2:
-        return TORCH_TOPK(x, k, *args, **kwargs)
-    return torch.return_types.topk(two_level_topk(x, k))
-
-
-TORCH_TOPK = torch.Tensor.topk
-
-
-RUNS = {  # name: (SamplingParams' settings besides the seed, the engine, two-level top-k)
-    "greedy": (dict(), PagedEngine, False),
-    "top-k": (dict(temperature=0.8, top_k=200), PagedEngine, False),
-    "top-p": (dict(temperature=0.8, top_p=0.9), PagedEngine, False),
-    "min-p": (dict(temperature=0.8, min_p=0.05), PagedEngine, False),
-    "logprobs": (dict(temperature=0.8, top_k=200, logprobs=5), engine_class(logprobs=True), False),
-    "two-level": (dict(temperature=0.8, top_k=200), PagedEngine, True),
+RUNS = {  # name: (SamplingParams' settings besides the seed, whether with ext/logprobs.py)
+    "greedy": (dict(), False),
+    "top-k": (dict(temperature=0.8, top_k=200), False),
+    "top-p": (dict(temperature=0.8, top_p=0.9), False),
+    "min-p": (dict(temperature=0.8, min_p=0.05), False),
+    "logprobs": (dict(temperature=0.8, top_k=200, logprobs=5), True),
 }
 
 
-def run(model, prompts, news, settings, engine_class, two_level=False):
+def run(model, prompts, news, settings, logprobs, compile):
     """-> (output tok/s, median ms per sample() call, the outputs)"""
     requests = [Request(p, n, SamplingParams(**settings, seed=1337 + i)) for i, (p, n) in enumerate(zip(prompts, news))]
     num_blocks = sum(blocks_for(len(p) + n - 1, 16) for p, n in zip(prompts, news))
-    engine = engine_class(model, num_blocks=num_blocks, vocab_size=50257)
+    cls = engine_class(logprobs=logprobs, compile=compile)  # the bare PagedEngine where it asks for neither
+    engine = cls(model, num_blocks=num_blocks, vocab_size=50257, compile=compile)
     sample, times = engine.sample, []
 
     def timed_sample(*args):
@@ -75,16 +64,12 @@ def run(model, prompts, news, settings, engine_class, two_level=False):
         return tokens
 
     engine.sample = timed_sample  # this engine's own call, timed with its tokens' transfer to the host
-    torch.Tensor.topk = two_level_topk_method if two_level else TORCH_TOPK
     # the runs before left garbage (a logprobs run, ~50,000 entries): collected here, not on this run's clock,
     # where it cost the run after a logprobs run ~10% (2026-11-28)
     gc.collect()
-    try:
-        start = time.perf_counter()
-        engine.run(requests)
-        seconds = time.perf_counter() - start
-    finally:
-        torch.Tensor.topk = TORCH_TOPK
+    start = time.perf_counter()
+    engine.run(requests)
+    seconds = time.perf_counter() - start
     return (
         sum(len(r.generated) for r in requests) / seconds,
         1000 * statistics.median(times),
@@ -112,6 +97,7 @@ def parser():
     p.add_argument("--shapes", default="tiny,gpt2")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--compile", default="auto", choices=["auto", "kernel"], help="every engine's compile mode")
     return p
 
 
@@ -131,25 +117,25 @@ def main():
         torch.manual_seed(0)
         model = GPT(GPTConfig(block_size=1024, vocab_size=50304, n_layer=n_layer, n_head=n_head, n_embd=n_embd)).eval()
         prepare(model)
-        for settings, cls, two_level in RUNS.values():  # warm-up: the compiled decode attention, the allocator
-            run(model, [p[:8] for p in prompts], [8] * len(prompts), settings, cls, two_level)
+        for how in RUNS.values():  # warm-up: the compiled decode attention, the allocator
+            run(model, [p[:8] for p in prompts], [8] * len(prompts), *how, args.compile)
         results = {name: [] for name in RUNS}
         for _ in range(args.repeats):
-            for name, (settings, cls, two_level) in RUNS.items():
-                results[name].append(run(model, prompts, news, settings, cls, two_level))
+            for name, how in RUNS.items():
+                results[name].append(run(model, prompts, news, *how, args.compile))
         rate, ms = ({n: [x[i] for x in results[n]] for n in RUNS} for i in (0, 1))
         print(
             f"-- {shape} ({n_layer} x {n_embd}, vocabulary 50,304): {len(prompts)} prompts of 16, {news[0]} new, "
-            f"all at once; top-p 0.9 keeps {top_p_share(model, prompts):.0%} of the vocabulary (median)"
+            f"all at once; top-p 0.9 keeps {top_p_share(model, prompts):.0%} of the vocabulary (median); "
+            f"compile {args.compile!r}"
         )
         print(f"{'':10} {'tok/s':>30} {'/ greedy':>18} {'/ top-k':>18} {'sample() ms/step':>22}")
         for name in RUNS:
             per_greedy = fmt([a / b for a, b in zip(rate[name], rate["greedy"])], "x")
             per_top_k = fmt([a / b for a, b in zip(rate[name], rate["top-k"])], "x")
             print(f"{name:10} {fmt(rate[name]):>30} {per_greedy:>18} {per_top_k:>18} {fmt(ms[name]):>22}")
-        for name in ("logprobs", "two-level"):  # the same draws as the top-k run's
-            same = sum(a == b for a, b in zip(results["top-k"][-1][2], results[name][-1][2]))
-            print(f"{name}: the same sampled outputs as top-k's: {same}/{len(prompts)}", flush=True)
+        same = sum(a == b for a, b in zip(results["top-k"][-1][2], results["logprobs"][-1][2]))
+        print(f"logprobs: the same sampled outputs as top-k's: {same}/{len(prompts)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -32,10 +32,11 @@ def test_sampling_bench_times_the_engines_own_sample_call(model):
     """bench/sampling.py wraps the engine's sample call; a rename in the engine must fail here, not there."""
     from bench.sampling import RUNS, run
 
-    for settings, engine_class, two_level in RUNS.values():  # each run's settings, on its engine
-        tok_s, ms_per_step, outputs = run(model, [[1, 2, 3], [4, 5]], [3, 4], settings, engine_class, two_level)
-        assert [len(o) for o in outputs] == [3, 4]
-        assert tok_s > 0 and ms_per_step > 0
+    for compile in ("auto", "kernel"):
+        for settings, logprobs in RUNS.values():  # each run's settings, on its engine
+            tok_s, ms_per_step, outputs = run(model, [[1, 2, 3], [4, 5]], [3, 4], settings, logprobs, compile)
+            assert [len(o) for o in outputs] == [3, 4]
+            assert tok_s > 0 and ms_per_step > 0
 
 
 def test_ragged_decode_attention_equals_the_engines_gather_attend():

@@ -37,8 +37,8 @@ RUNS = {
     "hf_compare.py": (["--repeats", "1", "--num-prompts", "2", "--rows", "equal", "--ckpt", "{tmp}/gpt2.pt"], "yes"),
     "host_step.py": (["--repeats", "1", "--num-requests", "8"], "host side a step"),
     "sampling.py": (
-        ["--repeats", "1", "--shapes", "tiny", "--num-requests", "4", "--new-tokens", "8"],
-        "two-level: the same sampled outputs as top-k's: 4/4",
+        ["--repeats", "1", "--shapes", "tiny", "--num-requests", "4", "--new-tokens", "8", "--compile", "kernel"],
+        "logprobs: the same sampled outputs as top-k's: 4/4",
     ),
     "profile_compare.py": (
         ["--ours-only", "--num-requests", "4", "--workloads", "tiny/decode", "--top", "2"],

@@ -17,7 +17,7 @@ from test_speculative import repetitive_prompts
 from test_swap import mixed_requests, outputs, storm_prompts
 
 from ext import ServingEngine, cpu_kernel, engine_class
-from ext.cpu_kernel import KernelBatch, kernel_attend
+from ext.cpu_kernel import KernelBatch, kernel_attend, kernel_topk
 from harness.checkpoints import SHIPPED, load_checkpoint
 from harness.contiguous import ContiguousEngine
 from harness.metrics import agreement
@@ -60,6 +60,42 @@ def test_the_kernel_equals_gather_attend_in_every_dtype(H, D, block_size):
         got = kernel_attend(*low)
         assert got.dtype == dtype
         torch.testing.assert_close(got.double(), exact, rtol=tolerance, atol=tolerance)
+
+
+def sorted_rows(x, k):
+    """Each row's k best (value, id) pairs by a sort: larger values first, of equal values the lower id."""
+    ids = [sorted(range(len(row)), key=lambda i: (-row[i], i))[:k] for row in x.tolist()]
+    return x.gather(1, torch.tensor(ids)), torch.tensor(ids)
+
+
+@pytest.mark.parametrize("kind", ["distinct", "bf16 ties", "few values", "ascending", "descending"])
+def test_the_kernels_top_k_equals_a_sort_of_each_row(kind):
+    """Ties at and inside the cut, -inf ids (the padded vocabulary), ids in the worst order for its running cut,
+    and every k from 1 to the row: the values torch.topk gives, the ids of a stable sort."""
+    g = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        R, V = int(torch.randint(1, 6, (), generator=g)), int(torch.randint(1, 700, (), generator=g))
+        x = torch.randn(R, V, generator=g)
+        if kind == "bf16 ties":
+            x = x.bfloat16().float()
+        elif kind == "few values":
+            x = torch.randint(0, 4, (R, V), generator=g).float()
+        elif kind in ("ascending", "descending"):
+            x = x.sort(-1, descending=kind == "descending").values
+        x[:, -V // 5 :] = float("-inf")
+        for k in sorted({1, int(torch.randint(1, V + 1, (), generator=g)), V}):
+            values, ids = kernel_topk(x, k)
+            want_values, want_ids = sorted_rows(x, k)
+            assert torch.equal(values, torch.topk(x, k).values) and torch.equal(values, want_values)
+            assert torch.equal(ids, want_ids), (kind, R, V, k)
+
+
+def test_the_kernels_top_k_puts_nan_first_and_leaves_other_inputs_to_torch():
+    x = torch.tensor([[0.5, float("nan"), 2.0, float("nan"), -1.0]])
+    values, ids = kernel_topk(x, 3)
+    assert ids.tolist() == [[1, 3, 2]] and values[0, 2] == 2.0 and values[0, :2].isnan().all()
+    for other in (x.double(), x.bfloat16()):  # not float32: torch.topk's own
+        assert kernel_topk(other, 3).values.dtype == other.dtype
 
 
 def test_a_rows_output_is_the_same_bits_whatever_runs_beside_it():
@@ -163,8 +199,8 @@ def test_a_missing_compiler_or_a_failed_build_is_one_line(model, monkeypatch, tm
     cpu_kernel.load_kernel.cache_clear()
     broken = tmp_path / "decode_attention.c"
     broken.write_text("int decode_attend( {\n")
-    monkeypatch.setattr(cpu_kernel, "SOURCE", broken)
-    with pytest.raises(ValueError, match="could not build decode_attention.c: .*error"):
+    monkeypatch.setattr(cpu_kernel, "SOURCES", [broken, cpu_kernel.SOURCES[1]])
+    with pytest.raises(ValueError, match="could not build decode_attention.c and top_k.c: .*error"):
         ServingEngine(model, num_blocks=10, compile="kernel")
     assert not list(fresh_cache.glob("*/*"))  # nothing half-built left behind
 
