@@ -2,7 +2,7 @@
 tokens each (decoding at batch 1, speculative verify steps), its time goes to the forward's hundred-odd small
 ops, their Python, and the building of the batch, not to arithmetic. Inductor compiles the whole forward into
 one graph of fused C++ loops and GEMMs, with the weights frozen in and a C++ wrapper; the batch is built from
-lists, in a few tensor calls (docs/compile.md#small-steps-as-one-graph-compile-step).
+lists, in a few tensor calls (docs/compile.md#small-steps-as-one-graph---compile-step).
 
 Each of the step's entries becomes a row of Q tokens, the shorter ones padded by repeating their last token;
 rows and tokens are padded to two at least, and the logits read two more rows, so that no size of 0 or 1

@@ -6,7 +6,7 @@ and sums in float32 (bf16 values widened as they are read, or a bf16 pool's scor
 AVX512-BF16; float64 pools in float64), so nothing is gathered and no graph is dispatched
 (docs/vllm.md#decode-attention-in-c). The sampler's top-k rows select their candidates through ext/top_k.c (two
 passes over a row, no sort: 4x as fast as torch.topk at 64 x 50,304, k = 201;
-docs/floor_and_sampling.md#top-k-in-c-compile-kernel-2026-11-28); of tied values it takes the lower id first,
+docs/floor_and_sampling.md#top-k-in-c---compile-kernel-2026-11-28); of tied values it takes the lower id first,
 where torch's order among ties is its own, so a draw among tied candidates may pick another of them than the
 core does.
 
