@@ -128,16 +128,18 @@ def kernel_attend(q, k_pool, v_pool, table, kv_len):
     return out
 
 
-def kernel_topk(x, k):
+def kernel_topk(x, k, real="float"):
     """torch.topk's contract where the sampler calls it: x (R, V) float32 on a CPU, 0 < k <= V -> each row's k
-    largest values (R, k), best first, and their ids (R, k) int64, in one pass of ext/top_k.c (of equal values
-    the lower id first: torch's order among ties is its own). Anything else goes to torch.topk."""
+    largest values (R, k), best first, and their ids (R, k) int64, through ext/top_k.c (of equal values
+    the lower id first: torch's order among ties is its own). Anything else goes to torch.topk. real: the
+    library to take it from (either build holds it), the one the engine loaded for its pool."""
     R, V = x.shape
     if x.dtype != torch.float32 or x.device.type != "cpu" or not 0 < k <= V:
         return torch.topk(x, k)
     x = x.contiguous()
-    values, ids = torch.empty(R, k), torch.empty(R, k, dtype=torch.int64)
-    if load_kernel().top_k(x.data_ptr(), R, V, k, values.data_ptr(), ids.data_ptr(), torch.get_num_threads()):
+    values, ids = torch.empty(R, k, dtype=torch.float32), torch.empty(R, k, dtype=torch.int64)
+    top_k = load_kernel(real).top_k
+    if top_k(x.data_ptr(), R, V, k, values.data_ptr(), ids.data_ptr(), torch.get_num_threads()):
         raise MemoryError(f"top_k's buffers: {2 * k + 1024} candidates a thread")
     return values, ids
 
@@ -164,9 +166,10 @@ class CpuKernel:
         super().__init__(model, **kw)
         if self.compile == "kernel" and self.device.type != "cpu":
             raise ValueError("compile 'kernel' is a CPU kernel; on CUDA, ask for 'graph'")
+        self.real = REAL.get(self.kv_pool.dtype, "float")  # the library's build: the pool's
         if self.compile == "kernel":
             try:  # built now, so that a missing compiler is said before any request runs, as a bad setting is
-                load_kernel(REAL.get(self.kv_pool.dtype, "float"))
+                load_kernel(self.real)
             except RuntimeError as e:
                 raise ValueError(str(e)) from None
             self.batch_class = KernelBatch
@@ -177,4 +180,5 @@ class CpuKernel:
             return super().sample(logits, batch, samplers)
         best = [s.request.params.best(self.vocab_size) for s, *_ in samplers if s.request.params.temperature > 0]
         settings = self.settings[batch.sample_rows]
-        return sample(logits, settings, batch.sample_pos, max(best, default=0), 0 in best, kernel_topk)
+        topk = functools.partial(kernel_topk, real=self.real)
+        return sample(logits, settings, batch.sample_pos, max(best, default=0), 0 in best, topk)

@@ -19,6 +19,8 @@ static inline uint64_t key_of(float value, int64_t id) {
     memcpy(&u, &value, 4);
     if (value != value)
         u = 0x7FC00000u; /* every NaN as one, above +inf */
+    if (u == 0x80000000u)
+        u = 0; /* -0.0 as 0.0: equal values, so the lower id first */
     u = u & 0x80000000u ? ~u : u | 0x80000000u;
     return (uint64_t)u << 32 | (uint32_t)~(uint32_t)id;
 }
@@ -115,6 +117,8 @@ static void top_k_row(const float *x, int64_t V, int64_t k, int64_t G, uint64_t 
         if (n + 16 > capacity) {
             bar = value_of(keep_largest_keys(buf, n, k));
             n = k;
+            if (bar != bar) /* k NaNs kept: every id after them ranks below */
+                break;
         }
     }
     keep_largest_keys(buf, n, k);

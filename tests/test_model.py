@@ -112,8 +112,7 @@ def test_prepare_copies_a_narrow_float32_weight_k_major_for_mkl_and_it_computes_
     a K-major copy for MKL instead of oneDNN's layout; wider ones and bf16 keep oneDNN's. Each computes what
     F.linear does, and the engine gives an unprepared copy's greedy tokens; a weight changed since is not used.
     The rule is an Intel CPU's (elsewhere MKL_MAX_INPUTS is 0); here it holds on any CPU."""
-    with open("/proc/cpuinfo") as f:
-        assert tuning.MKL_MAX_INPUTS == (128 if "GenuineIntel" in f.read() else 0)
+    assert tuning.MKL_MAX_INPUTS == (128 if tuning.intel_cpu() else 0)
     monkeypatch.setattr(tuning, "MKL_MAX_INPUTS", 128)
     model = tiny_gpt(seed=3, dtype=torch.float32, n_embd=128, n_head=4, vocab_size=1024)  # lm_head: 2**17 weights
     fresh = tiny_gpt(seed=3, dtype=torch.float32, n_embd=128, n_head=4, vocab_size=1024)
