@@ -73,14 +73,13 @@ def invert_cdf(x, least, u):
     return column.clamp(max=cdf.size(1) - 1)
 
 
-def sample(logits, settings, position, num_best, uncut, topk=torch.topk):
+def sample(logits, settings, position, num_best, uncut):
     """logits (R, V); settings (R, 5): each row's temperature, top_k (SamplingParams.best), top_p, min_p and
     seed; position (R,) -> (R,) token ids. Greedy rows (temperature 0) take the argmax; the others draw at
     uniform(seed, position): a row with a top_k among its best, sorted, the others in id order. top_p alone
     finds its cut in every id's value, sorted once for all such rows; min_p keeps the ids at least min_p x as
     likely as the best. num_best: how many best ids hold every top_k row's (0: none); uncut: whether some
-    sampled row has no top_k; topk: how the top_k rows' candidates are selected, torch.topk's contract (the C
-    kernel extension passes its own: ext/cpu_kernel.py)."""
+    sampled row has no top_k."""
     tokens = argmax(logits)
     if not (uncut or num_best):  # every row greedy
         return tokens
@@ -94,11 +93,11 @@ def sample(logits, settings, position, num_best, uncut, topk=torch.topk):
     least = min_p.log()[:, None]  # min-p's least scaled value
     if num_best:  # (R, K): the K best, sorted, so a row's cuts keep a prefix, and one more
         K = min(num_best + 1, V)
-        values, ids = topk(logits.float(), K)
+        values, ids = logits.float().topk(K)
         x = scale(values, temperature)
         kept = cut_value(x, top_k, top_p, least)
         if K < V and (x[:, -1:] >= kept)[sampled & cuts].any():  # the one more kept: ties run past
-            return sample(logits, settings, position, 2 * num_best, uncut, topk)
+            return sample(logits, settings, position, 2 * num_best, uncut)
         column = invert_cdf(x, kept, u)  # (R, 1)
         tokens = ids.gather(1, column)[:, 0].where(sampled & cuts, tokens)
     if uncut:  # every id, in id order

@@ -4,17 +4,20 @@ torch.compile; either way a step's rows go through torch ops made for dense tens
 each row's block table itself: one row per thread at a time, every head of a slot read at once, scores, softmax
 and sums in float32 (bf16 values widened as they are read, or a bf16 pool's scores in bf16 pairs where the CPU has
 AVX512-BF16; float64 pools in float64), so nothing is gathered and no graph is dispatched
-(docs/vllm.md#decode-attention-in-c). The sampler's top-k rows select their candidates through ext/top_k.c (two
-passes over a row, no sort: 4x as fast as torch.topk at 64 x 50,304, k = 201;
-docs/floor_and_sampling.md#top-k-in-c---compile-kernel-2026-11-28); of tied values it takes the lower id first,
-where torch's order among ties is its own, so a draw among tied candidates may pick another of them than the
-core does.
+(docs/vllm.md#decode-attention-in-c). The step's draw runs through ext/sample.c, every row in one call
+(docs/floor_and_sampling.md#the-whole-draw-in-c---compile-kernel-2026-11-28): greedy rows' argmax; a top-k row's
+candidates from ext/top_k.c (two passes over a row, no sort: 4x as fast as torch.topk at 64 x 50,304, k = 201),
+then the core's cut and draw on them; a row with no top-k scaled, weighed and drawn in id order, top-p alone
+cutting from a histogram of its weights instead of a sort of the row. Its tokens are the core's, but where a u
+falls within the rounding of the weights' exp of a boundary (its exp and torch's differ by an ulp in ~1% of
+values), or among tied top-k candidates (the lower id first, where torch's order among ties is its own).
 
 The kernels are built at first use with the system's C compiler (cc, or $CC) into a cache folder, once per source,
 compiler, flags and CPU (they are compiled for the CPU they run on, -march=native), and loaded with ctypes after
 torch, so that their OpenMP threads are torch's (with gcc: its libgomp is the one torch loaded; clang would bring
 its own runtime). Prompt chunks keep SDPA; a float16 pool keeps the core's attention; a GPU is refused.
-Plugs into the paged engine at batch_class and sample."""
+Plugs into the paged engine at batch_class and sample. kernel_topk is top_k.c's selection on its own, which the
+tests hold to a stable sort."""
 
 import ctypes
 import functools
@@ -29,10 +32,10 @@ from pathlib import Path
 import torch
 
 from paged import PagedBatch
-from sampling import sample
+from sampling import uniform
 
-SOURCES = [Path(__file__).with_name(name) for name in ("decode_attention.c", "top_k.c")]  # one library
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
+SOURCES = [Path(__file__).with_name(name) for name in ("decode_attention.c", "top_k.c", "sample.c")]  # one library
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC"]
 REAL = {torch.float32: "float", torch.bfloat16: "float", torch.float64: "double"}  # what a pool's rows compute in
 BUILD_FLAGS = {"float": [], "double": ["-DREAL=double", "-DEXP=exp"]}  # the kernel's two builds
 
@@ -99,7 +102,8 @@ def load_kernel(real="float"):
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     kernels.decode_attend.argtypes = [pointer] * 6 + [size] * 6 + [ctypes.c_double, ctypes.c_int, ctypes.c_int]
     kernels.top_k.argtypes = [pointer, size, size, size, pointer, pointer, ctypes.c_int]
-    kernels.decode_attend.restype = kernels.top_k.restype = ctypes.c_int
+    kernels.sample_rows.argtypes = [pointer, size, size, pointer, ctypes.c_int, pointer, ctypes.c_int]
+    kernels.decode_attend.restype = kernels.top_k.restype = kernels.sample_rows.restype = ctypes.c_int
     return kernels
 
 
@@ -144,6 +148,24 @@ def kernel_topk(x, k, real="float"):
     return values, ids
 
 
+def kernel_sample(logits, settings, position, real="float"):
+    """sampling.sample's contract, less its hints: logits (R, V) on a CPU; settings (R, 5); position (R,) -> (R,)
+    token ids, every row drawn by ext/sample.c in one call: the core's tokens, but where a draw's u falls within
+    the rounding of its exp of a boundary, or among tied candidates (there, the lower id first). real: the library
+    to take it from (either build holds it), the one the engine loaded for its pool."""
+    R, V = logits.shape
+    temperature, top_k, top_p, min_p, _ = settings.float().T  # as the core reads them
+    u = uniform(settings[:, 4].long(), position)
+    rows = torch.stack([temperature, top_k, top_p, min_p.log(), u.float()]).contiguous()  # (5, R)
+    tokens = torch.empty(R, dtype=torch.int64)
+    wide = int(u.dtype == torch.float64)  # the core's u, and its draw's target, in torch's default dtype
+    x = logits.float().contiguous()
+    sample_rows = load_kernel(real).sample_rows
+    if sample_rows(x.data_ptr(), R, V, rows.data_ptr(), wide, tokens.data_ptr(), torch.get_num_threads()):
+        raise MemoryError(f"sample_rows' scratch: rows of {V} ids")
+    return tokens
+
+
 class KernelBatch(PagedBatch):
     """Every one-token entry attends through the kernel, whatever the step's size."""
 
@@ -175,10 +197,7 @@ class CpuKernel:
             self.batch_class = KernelBatch
 
     def sample(self, logits, batch, samplers):
-        """The core's draw (PagedEngine.sample), its top-k rows' candidates selected by ext/top_k.c."""
+        """The core's draw (PagedEngine.sample), through ext/sample.c."""
         if self.compile != "kernel":
             return super().sample(logits, batch, samplers)
-        best = [s.request.params.best(self.vocab_size) for s, *_ in samplers if s.request.params.temperature > 0]
-        settings = self.settings[batch.sample_rows]
-        topk = functools.partial(kernel_topk, real=self.real)
-        return sample(logits, settings, batch.sample_pos, max(best, default=0), 0 in best, topk)
+        return kernel_sample(logits, self.settings[batch.sample_rows], batch.sample_pos, self.real)

@@ -1,7 +1,8 @@
 /* Each row's k largest values, best first, with their ids: torch.topk's contract where the sampler calls it
    (sampling.sample's candidates), in two passes over the row and no sort of it. Of equal values the lower id comes
    first (torch's own order among ties is unspecified); NaN goes above every number, as in torch.topk.
-   ext/cpu_kernel.py builds it beside decode_attention.c, into one library.
+   ext/cpu_kernel.py builds it beside decode_attention.c and sample.c (whose top-k rows call top_k_row), into one
+   library.
    Shapes, every array contiguous: x (R, V) float32, V < 2**32; values (R, k) float32 and ids (R, k) int64. */
 #include <stdint.h>
 #include <stdlib.h>
@@ -95,7 +96,7 @@ static inline int any_at_least(const float *x, float bar) {
    so that it is a vectorized maximum of G values at once): the k-th largest of those maxima is at most the row's
    k-th value, as k groups hold one at least as large each. The second keeps only the ids at least as large, in
    runs of 16 read at once: on logits, a few more than k. A full buffer keeps its k largest and raises the bar. */
-static void top_k_row(const float *x, int64_t V, int64_t k, int64_t G, uint64_t *buf, int64_t capacity,
+void top_k_row(const float *x, int64_t V, int64_t k, int64_t G, uint64_t *buf, int64_t capacity,
                       float *group_max, float *values, int64_t *ids) {
     float bar = -__builtin_inff();
     if (4 * G <= V) { /* groups of 4 ids at least; else every id goes to the buffer */

@@ -18,11 +18,12 @@ from test_speculative import repetitive_prompts
 from test_swap import mixed_requests, outputs, storm_prompts
 
 from ext import ServingEngine, cpu_kernel, engine_class
-from ext.cpu_kernel import KernelBatch, kernel_attend, kernel_topk
+from ext.cpu_kernel import KernelBatch, kernel_attend, kernel_sample, kernel_topk
 from harness.checkpoints import SHIPPED, load_checkpoint
 from harness.contiguous import ContiguousEngine
 from harness.metrics import agreement
 from paged import gather_attend
+from sampling import sample
 
 
 def random_rows(B, H, D, block_size, num_blocks, dtype, seed=0):
@@ -244,6 +245,86 @@ def test_a_float64_engine_takes_its_top_k_from_the_one_library_it_built(model, f
         assert torch.equal(kernel_topk(x, 7, real="double")[0], torch.topk(x, 7).values)
     finally:
         torch.set_default_dtype(default)
+
+
+def core_sample(logits, settings, position):
+    """The core's draw, with the hints the engine gives it (PagedEngine.sample)."""
+    best = [int(k) for t, k in settings[:, :2].tolist() if t > 0]
+    return sample(logits, settings, position, max(best, default=0), 0 in best)
+
+
+def settings_rows(R, temperature, top_k, top_p, min_p, seed=0):
+    return torch.tensor([[temperature, top_k, top_p, min_p, seed + 7 * i] for i in range(R)], dtype=torch.float64)
+
+
+SETTINGS = [  # temperature, top_k (0: none), top_p, min_p: each rule alone and together, near greedy and near flat
+    (0.0, 0, 1.0, 0.0),
+    (0.8, 200, 1.0, 0.0),
+    (1.0, 1, 1.0, 0.0),
+    (1.0, 0, 1.0, 0.0),
+    (1.0, 0, 0.9, 0.0),
+    (0.7, 0, 0.2, 0.0),
+    (1.0, 0, 1.0, 0.05),
+    (0.3, 0, 0.7, 0.1),
+    (0.8, 40, 0.9, 0.05),
+    (1.5, 40, 0.5, 0.0),
+    (1e-3, 0, 0.95, 0.0),
+    (1e-3, 50, 1.0, 0.0),
+    (50.0, 0, 0.9, 0.0),
+    (50.0, 300, 0.8, 0.0),
+]
+
+
+@pytest.mark.parametrize("scale", [0.5, 3.0])
+def test_the_kernels_draw_equals_the_cores_on_every_setting(scale):
+    """Rows of GPT-2's padded vocabulary (its last ids at -inf, as the engine leaves them): every setting alone and
+    all of them in one batch draw the core's tokens, in either default dtype (the core's u, and its draw's target,
+    follow it)."""
+    R, V = 48, 50304
+    g = torch.Generator().manual_seed(int(scale * 10))
+    logits = torch.randn(R, V, generator=g) * scale
+    logits[:, 50257:] = float("-inf")
+    position = torch.randint(0, 1000, (R,), generator=g)
+    mixed = torch.cat([settings_rows(R // len(SETTINGS) + 1, *c, seed=i) for i, c in enumerate(SETTINGS)])[:R]
+    for rows in [settings_rows(R, *c, seed=3) for c in SETTINGS] + [mixed]:
+        assert torch.equal(kernel_sample(logits, rows, position), core_sample(logits, rows, position))
+    default = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch.float64)
+        assert torch.equal(kernel_sample(logits, mixed, position), core_sample(logits, mixed, position))
+    finally:
+        torch.set_default_dtype(default)
+
+
+def test_the_kernels_draw_is_each_rows_own_and_picks_among_ties_by_value():
+    """A row draws the same token alone as among others. Of tied values (bf16 logits, and rows of one value where
+    ties run past every doubling of the candidates), a top-k row may take another id than the core, never another
+    value; a row with no top-k draws in id order, the core's token."""
+    R, V = 32, 5000
+    g = torch.Generator().manual_seed(5)
+    logits = (torch.randn(R, V, generator=g) * 2).bfloat16().float()
+    logits[-2:] = 1.5  # every id tied
+    position = torch.randint(0, 1000, (R,), generator=g)
+    rows = torch.cat([settings_rows(R // 4, *c, seed=i) for i, c in enumerate(SETTINGS[1:5])])
+    tokens = kernel_sample(logits, rows, position)
+    want = core_sample(logits, rows, position)
+    assert torch.equal(logits.gather(1, tokens[:, None]), logits.gather(1, want[:, None]))
+    uncut = rows[:, 1] == 0
+    assert torch.equal(tokens[uncut], want[uncut])
+    for r in range(0, R, 5):
+        assert kernel_sample(logits[r : r + 1], rows[r : r + 1], position[r : r + 1]).item() == tokens[r]
+
+
+def test_the_kernels_draw_survives_nan_and_infinite_rows():
+    """NaN and rows of -inf give some id in range, as the core's garbage in gives garbage out, never a crash."""
+    logits = torch.randn(6, 3000)
+    logits[0, 17] = float("nan")
+    logits[1] = float("-inf")
+    logits[2, :100] = float("nan")
+    rows = torch.cat([settings_rows(2, *c) for c in [(0.0, 0, 1, 0), (1.0, 0, 0.9, 0), (1.0, 30, 0.9, 0.1)]])
+    tokens = kernel_sample(logits, rows, torch.arange(6))
+    assert tokens.min() >= 0 and tokens.max() < 3000
+    assert tokens[0] == 17  # greedy: numpy's argmax, the first NaN
 
 
 def test_kernel_attend_refuses_what_it_cannot_read():

@@ -1,0 +1,400 @@
+/* Each row's next token, drawn as sampling.sample draws it (sampling.py), every row in one call: greedy rows take
+   the first of their likeliest ids; sampled rows scale their logits by temperature, keep what top-k, top-p and min-p
+   keep (cut_value's rules), and take the id whose CDF, in sampling.invert_cdf's order, first passes the row's u.
+   What the core does with a dozen torch ops over (rows, candidates) tensors and a sort of whole rows (top-p
+   alone), this does a row at a time in a thread's cache, with no sort of a row: a top-k row's candidates come from
+   top_k.c, top-p alone finds its cut from a histogram of the row's weights and sorts the one bucket it falls in.
+   The values it compares are the core's, bit for bit (the same float32 subtractions and divisions, sums in
+   float64 stored as float32, as torch's CPU cumsum does); the weights are this file's exp, within an ulp or two of
+   torch's, and the long sums run in another order: a draw whose u falls within that rounding of a boundary may
+   take the neighbouring id. Of tied candidates the lower id comes first, as in top_k.c.
+   Shapes, every array contiguous: logits (R, V) float32; rows (5, R) float32: each row's temperature, top_k (0:
+   no cut), top_p, log(min_p) and u; tokens (R,) int64. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+void top_k_row(const float *x, int64_t V, int64_t k, int64_t G, uint64_t *buf, int64_t capacity, float *group_max,
+               float *values, int64_t *ids); /* top_k.c */
+
+#define GROUPS 1024   /* top_k.c's */
+#define BUCKETS 8192  /* top-p's histogram of a row's scaled values, over [-87, 0] (and the draw's block sums) */
+#define FLOOR -87.0f  /* the core clamps a cut-free row's scaled values here (sampling.sample) */
+#define BLOCK 512     /* the draw's CDF: block sums first, then one block in order */
+
+/* 16 floats, and their bits: the compiler's vectors, AVX-512 or two AVX registers, so that the weights' exp runs
+   16 at a time whatever the CPU, and a value's weight does not depend on where it sits in the row */
+typedef float floats __attribute__((vector_size(64)));
+typedef int32_t ints __attribute__((vector_size(64)));
+
+static inline floats splat(float x) { return (floats){0} + x; }
+
+static inline floats blend(ints mask, floats yes, floats no) { return (floats)((mask & (ints)yes) | (~mask & (ints)no)); }
+
+typedef double doubles __attribute__((vector_size(64)));
+typedef int64_t longs __attribute__((vector_size(64)));
+
+/* exp(x) of 8 values in float64: 2**n e**r, |r| <= ln(2) / 2, e**r by its Taylor series to r**9 (error < 1e-11) */
+static inline doubles exp8(doubles x) {
+    doubles fn = x * 1.4426950408889634 + 0.5;
+    longs n = __builtin_convertvector(fn, longs);
+    n += (longs)(__builtin_convertvector(n, doubles) > fn); /* floor */
+    doubles nf = __builtin_convertvector(n, doubles);
+    doubles r = x - nf * 0.6931471805599453 - nf * 2.3190468138462996e-17;
+    doubles y = (doubles){0} + 1.0 / 362880;
+    static const double inverse_factorial[] = {1.0 / 40320, 1.0 / 5040, 1.0 / 720, 1.0 / 120, 1.0 / 24,
+                                               1.0 / 6,     0.5,        1.0,        1.0};
+    for (int i = 0; i < 9; i++)
+        y = y * r + inverse_factorial[i];
+    return y * (doubles)((n + 1023) << 52); /* 2**n from its exponent bits */
+}
+
+/* exp(x) of 16 values x <= 0, in float64 rounded to float32: the correctly rounded exp, nearly always. torch's CPU
+   exp nearly always is too: the two differ by an ulp in ~1% of values (a float32 polynomial, Cephes', in ~10%, and
+   on one side more often than the other). 0 below -87.3, where torch gives denormals that no draw can tell from 0. */
+static inline floats exp16(floats x) {
+    typedef float half __attribute__((vector_size(32)));
+    ints below = x < splat(-87.3f);
+    floats t = blend(below, splat(-87.3f), x), e;
+    half lo, hi;
+    memcpy(&lo, &t, sizeof lo);
+    memcpy(&hi, (float *)&t + 8, sizeof hi);
+    lo = __builtin_convertvector(exp8(__builtin_convertvector(lo, doubles)), half);
+    hi = __builtin_convertvector(exp8(__builtin_convertvector(hi, doubles)), half);
+    memcpy(&e, &lo, sizeof lo);
+    memcpy((float *)&e + 8, &hi, sizeof hi);
+    return blend(below, splat(0.0f), e);
+}
+
+/* x[i] = (row[i] - best) / temperature, at least floor (the core's clamp: NaN stays), w[i] = exp(x[i]); 16 at a time */
+static inline void scale16(floats v, float best, float temperature, float floor, float *x, float *w, int64_t n) {
+    v = (v - best) / temperature;
+    v = blend(v < splat(floor), splat(floor), v);
+    floats e = exp16(v);
+    memcpy(x, &v, sizeof(float) * n);
+    memcpy(w, &e, sizeof(float) * n);
+}
+
+/* scale16 over row[0..n), the tail through a padded vector */
+static void scale_row(const float *row, int64_t n, float best, float temperature, float floor, float *x, float *w) {
+    int64_t i = 0;
+    floats v;
+    for (; i + 16 <= n; i += 16) {
+        memcpy(&v, row + i, sizeof v);
+        scale16(v, best, temperature, floor, x + i, w + i, 16);
+    }
+    if (i < n) {
+        v = splat(best);
+        memcpy(&v, row + i, sizeof(float) * (n - i));
+        scale16(v, best, temperature, floor, x + i, w + i, n - i);
+    }
+}
+
+/* one value's weight: exp16's, so that it equals the same value's weight in a row */
+static inline float exp_le0(float x) { return exp16(splat(x))[0]; }
+
+static inline float max_of(float a, float b) { return a > b || a != a ? a : b; } /* torch.maximum: NaN wins */
+
+/* x[i..i+16) as a vector, padded with pad past n */
+static inline floats load16(const float *x, int64_t i, int64_t n, float pad) {
+    typedef float unaligned __attribute__((vector_size(64), aligned(4)));
+    if (i + 16 <= n)
+        return *(const unaligned *)(x + i);
+    floats v = splat(pad);
+    memcpy(&v, x + i, sizeof(float) * (n - i));
+    return v;
+}
+
+/* the largest of x[0..n), n > 0, NaN ignored, 16 at a time; nan: whether any is NaN */
+static float row_max(const float *x, int64_t n, int *nan) {
+    floats best = splat(x[0]);
+    ints any_nan = {0};
+    for (int64_t i = 0; i < n; i += 16) {
+        floats v = load16(x, i, n, x[0]);
+        best = blend(v > best, v, best);
+        any_nan |= v != v;
+    }
+    float largest = best[0];
+    *nan = 0;
+    for (int j = 0; j < 16; j++) {
+        largest = best[j] > largest ? best[j] : largest;
+        *nan |= any_nan[j] != 0;
+    }
+    return largest;
+}
+
+/* The first id of the largest value (NaN above every number), as numpy's argmax, in one pass: each lane keeps its
+   largest and the first run of 16 it was in. */
+static int64_t argmax(const float *x, int64_t V) {
+    floats best = splat(x[0]);
+    ints run = {0}, any_nan = {0};
+    for (int64_t i = 0; i < V; i += 16) {
+        floats v = load16(x, i, V, x[0]);
+        ints above = v > best;
+        best = blend(above, v, best);
+        run = (ints)blend(above, (floats)((ints){0} + (int32_t)(i / 16)), (floats)run);
+        any_nan |= v != v;
+    }
+    int64_t first = 0;
+    for (int j = 0; j < 16; j++) {
+        if (any_nan[j]) { /* numpy's argmax: the first NaN */
+            for (int64_t i = 0; i < V; i++)
+                if (x[i] != x[i])
+                    return i;
+        }
+        int64_t id = 16 * (int64_t)run[j] + j, best_id = 16 * (int64_t)run[first] + first;
+        if (best[j] > best[first] || (best[j] == best[first] && id < best_id))
+            first = j;
+    }
+    return 16 * (int64_t)run[first] + first;
+}
+
+/* the kept weights of x[start..end) (x[i] >= kept), summed in float64 in 8 lanes, so that the sum vectorizes */
+static double kept_sum(const float *x, const float *w, int64_t start, int64_t end, float kept) {
+    double sum = 0, lane[8] = {0};
+    int64_t i = start;
+    for (; i + 8 <= end; i += 8)
+        for (int j = 0; j < 8; j++)
+            lane[j] += x[i + j] >= kept ? w[i + j] : 0.0f;
+    for (; i < end; i++)
+        sum += x[i] >= kept ? w[i] : 0.0f;
+    for (int j = 0; j < 8; j++)
+        sum += lane[j];
+    return sum;
+}
+
+/* The first i whose CDF over the kept values (x[i] >= kept, weight w[i]) passes u of their sum, or n - 1 where
+   rounding leaves none: invert_cdf. The sums of blocks of BLOCK find the block, which is then summed in order
+   (block_sum: scratch of n / BLOCK + 1). wide: the core's u is float64 (torch's default dtype), and so its target. */
+static int64_t invert_cdf(const float *x, const float *w, int64_t n, float kept, float u, int wide, double *block_sum) {
+    int64_t blocks = (n + BLOCK - 1) / BLOCK;
+    double sum = 0, cdf = 0;
+    for (int64_t b = 0; b < blocks; b++) {
+        block_sum[b] = kept_sum(x, w, b * BLOCK, b * BLOCK + BLOCK < n ? b * BLOCK + BLOCK : n, kept);
+        sum += block_sum[b];
+    }
+    float total = (float)sum;
+    double target = wide ? (double)u * total : (double)(u * total);
+    int64_t b = 0;
+    while (b < blocks - 1 && (float)(cdf + block_sum[b]) <= target)
+        cdf += block_sum[b++];
+    for (int64_t i = b * BLOCK; i < n; i++) {
+        cdf += x[i] >= kept ? w[i] : 0.0f;
+        if ((float)cdf > target)
+            return i;
+    }
+    return n - 1;
+}
+
+/* x[0..n): scaled values, best first, w their weights -> the least value that top-k (its k-th, and any tied with
+   it), top-p and min-p (least) keep: cut_value. */
+static float cut_sorted(const float *x, const float *w, int64_t n, int64_t k, float top_p, float least) {
+    float kth = x[k - 1], last_kept = -__builtin_inff();
+    if (top_p < 1) {
+        double mass = 0;
+        for (int64_t i = 0; i < n; i++)
+            mass += x[i] >= kth ? w[i] : 0.0f;
+        float target = top_p * (float)mass;
+        int64_t i = 0;
+        mass = 0;
+        for (; i < n; i++) { /* the first whose mass before it reaches the target: the one before it is the last kept */
+            float p = x[i] >= kth ? w[i] : 0.0f;
+            mass += p;
+            if ((float)mass - p >= target)
+                break;
+        }
+        last_kept = x[i > 0 ? (i < n ? i - 1 : n - 1) : 0];
+    }
+    return max_of(max_of(kth, least), last_kept);
+}
+
+/* Per thread: a cut-free row's scaled values, weights and buckets; a top-k row's candidates and top_k.c's buffers;
+   top-p's histogram and window. */
+struct scratch {
+    float *x, *w, *values, *group_max, *window;
+    int64_t *ids;
+    uint64_t *keys;
+    double *bucket_mass;
+    int32_t *bucket;
+};
+
+/* The calling thread's scratch for rows of V ids, in one block kept for its next call (torch's threads live on, and
+   a fresh block's pages would fault in again at every step); 0 where it cannot be allocated. */
+static int scratch_for(int64_t V, struct scratch *s) {
+    static __thread char *block;
+    static __thread int64_t block_V;
+    int64_t G = 2 * V > GROUPS ? 2 * V : GROUPS, keys = 2 * V + 1024;
+    if (block_V != V) {
+        free(block);
+        block = malloc(sizeof(uint64_t) * keys + sizeof(double) * BUCKETS + sizeof(int64_t) * V +
+                       sizeof(float) * (5 * V + G) + sizeof(int32_t) * V);
+        block_V = block ? V : 0;
+        if (!block)
+            return 0;
+    }
+    s->keys = (uint64_t *)block;
+    s->bucket_mass = (double *)(s->keys + keys);
+    s->ids = (int64_t *)(s->bucket_mass + BUCKETS);
+    s->x = (float *)(s->ids + V);
+    s->w = s->x + V;
+    s->values = s->w + V;
+    s->window = s->values + V;
+    s->group_max = s->window + V;
+    s->bucket = (int32_t *)(s->group_max + G);
+    return 1;
+}
+
+/* A row with a top_k: its k best and one more, scaled; more where ties with the k-th (or the cut) run past them. */
+static int64_t draw_top_k(const float *row, int64_t V, int64_t k, float temperature, float top_p, float least, float u,
+                          int wide, struct scratch *s) {
+    int64_t K = k + 1 < V ? k + 1 : V;
+    for (;;) {
+        int64_t G = 2 * K > GROUPS ? 2 * K : GROUPS;
+        top_k_row(row, V, K, G, s->keys, 2 * K + 1024, s->group_max, s->values, s->ids);
+        scale_row(s->values, K, s->values[0], temperature, -__builtin_inff(), s->x, s->w);
+        float kept = cut_sorted(s->x, s->w, K, k, top_p, least);
+        if (K < V && s->x[K - 1] >= kept) {
+            K = 2 * (K - 1) + 1 < V ? 2 * (K - 1) + 1 : V;
+            continue;
+        }
+        return s->ids[invert_cdf(s->x, s->w, K, kept, u, wide, s->bucket_mass)];
+    }
+}
+
+static int descending(const void *a, const void *b) {
+    float x = *(const float *)a, y = *(const float *)b;
+    return (x < y) - (x > y);
+}
+
+/* the least of x[0..n) above FLOOR (the padding ids' clamped -inf would stretch the histogram), or FLOOR; and
+   the least of all, through *smallest */
+static float least_above_floor(const float *x, int64_t n, float *smallest) {
+    floats above = splat(0.0f), all = splat(0.0f);
+    for (int64_t i = 0; i < n; i += 16) {
+        floats v = load16(x, i, n, 0.0f);
+        above = blend((v < above) & (v > splat(FLOOR)), v, above);
+        all = blend(v < all, v, all);
+    }
+    float least = FLOOR + 1, low = 0;
+    for (int j = 0; j < 16; j++) {
+        least = above[j] < least ? above[j] : least;
+        low = all[j] < low ? all[j] : low;
+    }
+    *smallest = low;
+    return least < 0 ? least : FLOOR;
+}
+
+/* Each value's bucket: [low, 0] cut into BUCKETS - 1, the row's best first; FLOOR and NaN in the last. 16 at a time. */
+static void bucket_row(const float *x, int64_t n, float low, int32_t *bucket) {
+    float scale = (BUCKETS - 1) / -low;
+    for (int64_t i = 0; i < n; i += 16) {
+        floats v = load16(x, i, n, 0.0f);
+        ints b = __builtin_convertvector(-v * scale, ints);
+        b = (ints)blend((b >= 0) & (b < BUCKETS - 1) & (v > splat(FLOOR)), (floats)b, (floats)(b * 0 + BUCKETS - 1));
+        if (i + 16 <= n)
+            memcpy(bucket + i, &b, sizeof b);
+        else
+            memcpy(bucket + i, &b, sizeof(int32_t) * (n - i));
+    }
+}
+
+/* Top-p alone: the least value kept, cut_sorted's over the row sorted, without sorting it. The row's weights go
+   into buckets of its scaled values; the bucket where their mass reaches top_p of the whole holds the cut, and it
+   is sorted, with the nonempty buckets on either side, and walked as cut_sorted walks the row. */
+static float cut_top_p(const float *x, const float *w, int64_t V, float top_p, float least, struct scratch *s) {
+    double *mass = s->bucket_mass, total = 0, before = 0;
+    float smallest, low = least_above_floor(x, V, &smallest);
+    bucket_row(x, V, low, s->bucket);
+    memset(mass, 0, sizeof(double) * BUCKETS);
+    for (int64_t i = 0; i < V; i++)
+        mass[s->bucket[i]] += w[i];
+    for (int b = 0; b < BUCKETS; b++)
+        total += mass[b];
+    float target = top_p * (float)total;
+    int b = 0;
+    while (b < BUCKETS - 1 && (float)(before + mass[b]) < target)
+        before += mass[b++];
+    int lo = b, hi = b;
+    while (lo > 0 && mass[lo - 1] == 0)
+        lo--;
+    if (lo > 0)
+        lo--; /* the nonempty bucket before: the last kept may be its smallest */
+    before = 0;
+    for (int c = 0; c < lo; c++)
+        before += mass[c];
+    while (hi < BUCKETS - 1 && mass[hi + 1] == 0)
+        hi++;
+    if (hi < BUCKETS - 1)
+        hi++; /* the nonempty bucket after: the first past the target may be its largest */
+    int64_t n = 0;
+    for (int64_t i = 0; i < V; i += 16) { /* 16 buckets tested at once: few runs hold one of the window's */
+        int64_t m = V - i < 16 ? V - i : 16;
+        ints b = (ints){0} + lo;
+        if (m == 16)
+            memcpy(&b, s->bucket + i, sizeof b);
+        else
+            memcpy(&b, s->bucket + i, sizeof(int32_t) * m);
+        ints in = (b >= lo) & (b <= hi);
+        int any = 0;
+        for (int j = 0; j < 16; j++)
+            any |= in[j];
+        for (int64_t j = i; any && j < i + m; j++) {
+            s->window[n] = x[j];
+            n += s->bucket[j] >= lo && s->bucket[j] <= hi;
+        }
+    }
+    qsort(s->window, n, sizeof(float), descending);
+    float last_kept = n ? s->window[0] : smallest;
+    int64_t i = 0;
+    for (; i < n; i++) {
+        float p = exp_le0(s->window[i]);
+        before += p;
+        if ((float)before - p >= target)
+            break;
+        last_kept = s->window[i];
+    }
+    if (i == n && hi == BUCKETS - 1)
+        last_kept = smallest; /* none past the target: the core's search ends on the row's last */
+    return max_of(max_of(smallest, least), last_kept);
+}
+
+/* A row with no top_k: every id's scaled value, clamped as the core clamps them, in id order. */
+static int64_t draw_uncut(const float *row, int64_t V, float temperature, float top_p, float least, float u, int wide,
+                          struct scratch *s) {
+    int nan;
+    float best = row_max(row, V, &nan);
+    best = nan ? __builtin_nanf("") : best; /* torch's amax: NaN wins */
+    scale_row(row, V, best, temperature, FLOOR, s->x, s->w);
+    float kept = top_p < 1 ? cut_top_p(s->x, s->w, V, top_p, least, s) : least;
+    return invert_cdf(s->x, s->w, V, kept, u, wide, s->bucket_mass);
+}
+
+/* The rows, shared among num_threads threads, a row to a thread (its token does not depend on which). Returns 0,
+   or -1 where a thread's buffers could not be allocated. */
+int sample_rows(const float *logits, int64_t R, int64_t V, const float *rows, int wide, int64_t *tokens,
+                int num_threads) {
+    const float *temperature = rows, *top_k = rows + R, *top_p = rows + 2 * R, *least = rows + 3 * R, *u = rows + 4 * R;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        struct scratch s = {0};
+        int ok = scratch_for(V, &s);
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t r = 0; r < R; r++) {
+            const float *row = logits + r * V;
+            if (!ok)
+                continue;
+            if (temperature[r] == 0)
+                tokens[r] = argmax(row, V);
+            else if (top_k[r] > 0)
+                tokens[r] = draw_top_k(row, V, (int64_t)top_k[r], temperature[r], top_p[r], least[r], u[r], wide, &s);
+            else
+                tokens[r] = draw_uncut(row, V, temperature[r], top_p[r], least[r], u[r], wide, &s);
+        }
+    }
+    return -failed;
+}
