@@ -8,7 +8,7 @@
                switches on where a GPU measured them: async_steps.py (async_steps) and flex_decode.py
                (decode_attention)
     compiled_steps.py  small steps as one compiled graph on a CPU  (compile="step")
-    cpu_kernel.py  decode attention and the sampler's top-k in C kernels of our own, on a CPU  (compile="kernel")
+    cpu_kernel.py  decode attention and the sampler's draw in C kernels of our own, on a CPU  (compile="kernel")
     padded_chunks.py  short chunks after cached K/V attend in one call  (by speculative.py and logprobs.py)
     invariant.py  a batch-invariant forward on a CPU: a token's values whatever runs beside it  (invariant=True)
 
