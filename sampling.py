@@ -51,16 +51,16 @@ def sorted_values(x):
 
 def cut_value(x, top_k, top_p, least):
     """x (R, K): scaled candidates, each row's best first -> (R, 1): the least value that top-k, top-p and min-p
-    keep. Top-k keeps the k best, and any tied with the k-th; top-p keeps the best while the probability before
-    them is below top_p, and any tied with the last kept (a top_p of 1 keeps every candidate); min-p keeps
-    those of at least `least` (R, 1)."""
+    keep, and (R, 1) the k-th. Top-k keeps the k best, and any tied with the k-th; top-p keeps the best while the
+    probability before them is below top_p, and any tied with the last kept (a top_p of 1 keeps every candidate);
+    min-p keeps those of at least `least` (R, 1)."""
     kth = x.gather(1, (top_k[:, None].long() - 1) % x.size(1))  # a row that does not cut (top_k 0) reads the last
     p = x.exp().mul_(x >= kth)  # unnormalized (x <= 0): top-p reads what top-k kept
     mass = p.cumsum(-1)  # up to each candidate, itself included
     # the last kept: the mass before it (which never falls, as p never rises) below top_p of the whole
     last_kept = x.gather(1, torch.searchsorted(mass - p, top_p[:, None] * mass[:, -1:]) - 1)
     # a top_p of 1 keeps every candidate, whatever the rounding of the mass
-    return kth.maximum(least).maximum(last_kept.masked_fill(top_p[:, None] == 1, float("-inf")))
+    return kth.maximum(least).maximum(last_kept.masked_fill(top_p[:, None] == 1, float("-inf"))), kth
 
 
 def invert_cdf(x, least, u):
@@ -95,8 +95,9 @@ def sample(logits, settings, position, num_best, uncut):
         K = min(num_best + 1, V)
         values, ids = logits.float().topk(K)
         x = scale(values, temperature)
-        kept = cut_value(x, top_k, top_p, least)
-        if K < V and (x[:, -1:] >= kept)[sampled & cuts].any():  # the one more kept: ties run past
+        kept, kth = cut_value(x, top_k, top_p, least)
+        # ties with the k-th run past the candidates: top-p's mass, and so its cut, would miss them
+        if K < V and (x[:, -1:] >= kth)[sampled & cuts].any():
             return sample(logits, settings, position, 2 * num_best, uncut)
         column = invert_cdf(x, kept, u)  # (R, 1)
         tokens = ids.gather(1, column)[:, 0].where(sampled & cuts, tokens)
@@ -106,6 +107,6 @@ def sample(logits, settings, position, num_best, uncut):
         # drawn: before the first id of some weight they sum below the least target (u > 0), after it within rounding
         x = scale(logits.float(), temperature).clamp_(-87.0)
         alone = sampled & ~cuts & (top_p < 1)  # top-p alone: where to cut, from the row's every value sorted
-        least[alone] = cut_value(sorted_values(x[alone]), top_k[alone], top_p[alone], least[alone])
+        least[alone] = cut_value(sorted_values(x[alone]), top_k[alone], top_p[alone], least[alone])[0]
         tokens = invert_cdf(x, least, u)[:, 0].where(sampled & ~cuts, tokens)
     return tokens

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from paged import PagedBatch
-from sampling import uniform
+from sampling import argmax, uniform
 
 SOURCES = [Path(__file__).with_name(name) for name in ("decode_attention.c", "top_k.c", "sample.c")]  # one library
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC"]
@@ -163,6 +163,8 @@ def kernel_sample(logits, settings, position, real="float"):
     sample_rows = load_kernel(real).sample_rows
     if sample_rows(x.data_ptr(), R, V, rows.data_ptr(), wide, tokens.data_ptr(), torch.get_num_threads()):
         raise MemoryError(f"sample_rows' scratch: rows of {V} ids")
+    if logits.dtype != torch.float32:  # greedy rows take the argmax of the logits as they are, as the core's do
+        tokens = tokens.where(temperature > 0, argmax(logits))
     return tokens
 
 

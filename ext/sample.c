@@ -3,13 +3,15 @@
    keep (cut_value's rules), and take the id whose CDF, in sampling.invert_cdf's order, first passes the row's u.
    What the core does with a dozen torch ops over (rows, candidates) tensors and a sort of whole rows (top-p
    alone), this does a row at a time in a thread's cache, with no sort of a row: a top-k row's candidates come from
-   top_k.c, top-p alone finds its cut from a histogram of the row's weights and sorts the one bucket it falls in.
+   top_k.c; top-p alone finds its cut from a histogram of the row's weights, and sorts (by radix) only the bucket
+   the cut falls in and its nonempty neighbours.
    The values it compares are the core's, bit for bit (the same float32 subtractions and divisions, sums in
    float64 stored as float32, as torch's CPU cumsum does); the weights are this file's exp, within an ulp or two of
    torch's, and the long sums run in another order: a draw whose u falls within that rounding of a boundary may
    take the neighbouring id. Of tied candidates the lower id comes first, as in top_k.c.
    Shapes, every array contiguous: logits (R, V) float32; rows (5, R) float32: each row's temperature, top_k (0:
    no cut), top_p, log(min_p) and u; tokens (R,) int64. */
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -18,7 +20,7 @@ void top_k_row(const float *x, int64_t V, int64_t k, int64_t G, uint64_t *buf, i
                float *values, int64_t *ids); /* top_k.c */
 
 #define GROUPS 1024   /* top_k.c's */
-#define BUCKETS 8192  /* top-p's histogram of a row's scaled values, over [-87, 0] (and the draw's block sums) */
+#define BUCKETS 8192  /* top-p's histogram of a row's scaled values */
 #define FLOOR -87.0f  /* the core clamps a cut-free row's scaled values here (sampling.sample) */
 #define BLOCK 512     /* the draw's CDF: block sums first, then one block in order */
 
@@ -66,35 +68,6 @@ static inline floats exp16(floats x) {
     return blend(below, splat(0.0f), e);
 }
 
-/* x[i] = (row[i] - best) / temperature, at least floor (the core's clamp: NaN stays), w[i] = exp(x[i]); 16 at a time */
-static inline void scale16(floats v, float best, float temperature, float floor, float *x, float *w, int64_t n) {
-    v = (v - best) / temperature;
-    v = blend(v < splat(floor), splat(floor), v);
-    floats e = exp16(v);
-    memcpy(x, &v, sizeof(float) * n);
-    memcpy(w, &e, sizeof(float) * n);
-}
-
-/* scale16 over row[0..n), the tail through a padded vector */
-static void scale_row(const float *row, int64_t n, float best, float temperature, float floor, float *x, float *w) {
-    int64_t i = 0;
-    floats v;
-    for (; i + 16 <= n; i += 16) {
-        memcpy(&v, row + i, sizeof v);
-        scale16(v, best, temperature, floor, x + i, w + i, 16);
-    }
-    if (i < n) {
-        v = splat(best);
-        memcpy(&v, row + i, sizeof(float) * (n - i));
-        scale16(v, best, temperature, floor, x + i, w + i, n - i);
-    }
-}
-
-/* one value's weight: exp16's, so that it equals the same value's weight in a row */
-static inline float exp_le0(float x) { return exp16(splat(x))[0]; }
-
-static inline float max_of(float a, float b) { return a > b || a != a ? a : b; } /* torch.maximum: NaN wins */
-
 /* x[i..i+16) as a vector, padded with pad past n */
 static inline floats load16(const float *x, int64_t i, int64_t n, float pad) {
     typedef float unaligned __attribute__((vector_size(64), aligned(4)));
@@ -105,19 +78,49 @@ static inline floats load16(const float *x, int64_t i, int64_t n, float pad) {
     return v;
 }
 
-/* the largest of x[0..n), n > 0, NaN ignored, 16 at a time; nan: whether any is NaN */
-static float row_max(const float *x, int64_t n, int *nan) {
-    floats best = splat(x[0]);
+/* v's first m values into x: a whole vector's store, or a tail's */
+static inline void store16(void *x, floats v, int64_t m) {
+    if (m == 16)
+        memcpy(x, &v, sizeof v);
+    else
+        memcpy(x, &v, sizeof(float) * m);
+}
+
+/* x[i] = (row[i] - best) / temperature, at least floor (the core's clamp: NaN stays), and w[i] = exp(x[i]), 16 at
+   a time */
+static void scale_row(const float *row, int64_t n, float best, float temperature, float floor, float *x, float *w) {
+    for (int64_t i = 0; i < n; i += 16) {
+        floats v = load16(row, i, n, best);
+        v = (v - best) / temperature;
+        v = blend(v < splat(floor), splat(floor), v);
+        store16(x + i, v, n - i < 16 ? n - i : 16);
+        store16(w + i, exp16(v), n - i < 16 ? n - i : 16);
+    }
+}
+
+/* one value's weight: exp16's, so that it equals the same value's weight in a row */
+static inline float exp_le0(float x) { return exp16(splat(x))[0]; }
+
+static inline float max_of(float a, float b) { return a > b || a != a ? a : b; } /* torch.maximum: NaN wins */
+
+/* A row's range, 16 at a time: -> its largest value, NaN ignored; *nan: whether any is NaN; *least: its least;
+   *least_finite: its least above -inf (the padding ids' -inf would stretch top-p's histogram to FLOOR) */
+static float row_range(const float *x, int64_t n, int *nan, float *least, float *least_finite) {
+    floats best = splat(x[0]), low = splat(x[0]), low_finite = splat(__builtin_inff());
     ints any_nan = {0};
     for (int64_t i = 0; i < n; i += 16) {
         floats v = load16(x, i, n, x[0]);
         best = blend(v > best, v, best);
+        low = blend(v < low, v, low);
+        low_finite = blend((v < low_finite) & (v > splat(-__builtin_inff())), v, low_finite);
         any_nan |= v != v;
     }
     float largest = best[0];
-    *nan = 0;
+    *nan = 0, *least = low[0], *least_finite = low_finite[0];
     for (int j = 0; j < 16; j++) {
         largest = best[j] > largest ? best[j] : largest;
+        *least = low[j] < *least ? low[j] : *least;
+        *least_finite = low_finite[j] < *least_finite ? low_finite[j] : *least_finite;
         *nan |= any_nan[j] != 0;
     }
     return largest;
@@ -163,19 +166,23 @@ static double kept_sum(const float *x, const float *w, int64_t start, int64_t en
     return sum;
 }
 
+/* The kept weights (x[i] >= kept) of x[0..n) summed block by block into block_sum (n / BLOCK + 1 of them) */
+static void block_sums(const float *x, const float *w, int64_t n, float kept, double *block_sum) {
+    for (int64_t start = 0; start < n; start += BLOCK)
+        block_sum[start / BLOCK] = kept_sum(x, w, start, start + BLOCK < n ? start + BLOCK : n, kept);
+}
+
 /* The first i whose CDF over the kept values (x[i] >= kept, weight w[i]) passes u of their sum, or n - 1 where
-   rounding leaves none: invert_cdf. The sums of blocks of BLOCK find the block, which is then summed in order
-   (block_sum: scratch of n / BLOCK + 1). wide: the core's u is float64 (torch's default dtype), and so its target. */
-static int64_t invert_cdf(const float *x, const float *w, int64_t n, float kept, float u, int wide, double *block_sum) {
-    int64_t blocks = (n + BLOCK - 1) / BLOCK;
+   rounding leaves none: invert_cdf. The blocks' sums (block_sums) find the block, which is then summed in order.
+   wide: the core's u is float64 (torch's default dtype), and so is its target. */
+static int64_t invert_cdf(const float *x, const float *w, int64_t n, float kept, float u, int wide,
+                          const double *block_sum) {
+    int64_t blocks = (n + BLOCK - 1) / BLOCK, b = 0;
     double sum = 0, cdf = 0;
-    for (int64_t b = 0; b < blocks; b++) {
-        block_sum[b] = kept_sum(x, w, b * BLOCK, b * BLOCK + BLOCK < n ? b * BLOCK + BLOCK : n, kept);
-        sum += block_sum[b];
-    }
+    for (int64_t c = 0; c < blocks; c++)
+        sum += block_sum[c];
     float total = (float)sum;
     double target = wide ? (double)u * total : (double)(u * total);
-    int64_t b = 0;
     while (b < blocks - 1 && (float)(cdf + block_sum[b]) <= target)
         cdf += block_sum[b++];
     for (int64_t i = b * BLOCK; i < n; i++) {
@@ -209,33 +216,40 @@ static float cut_sorted(const float *x, const float *w, int64_t n, int64_t k, fl
 }
 
 /* Per thread: a cut-free row's scaled values, weights and buckets; a top-k row's candidates and top_k.c's buffers;
-   top-p's histogram and window. */
+   top-p's histogram and window; the draw's block sums. */
 struct scratch {
     float *x, *w, *values, *group_max, *window;
     int64_t *ids;
     uint64_t *keys;
-    double *bucket_mass;
+    double *bucket_mass, *block_sum;
     int32_t *bucket;
 };
 
+static pthread_key_t scratch_key;
+static pthread_once_t scratch_key_once = PTHREAD_ONCE_INIT;
+static void make_scratch_key(void) { pthread_key_create(&scratch_key, free); } /* freed as its thread ends */
+
 /* The calling thread's scratch for rows of V ids, in one block kept for its next call (torch's threads live on, and
-   a fresh block's pages would fault in again at every step); 0 where it cannot be allocated. */
+   a fresh block's pages would fault in again at every step), freed when the thread ends; 0 where it cannot be
+   allocated. The block begins with the V it was cut for. */
 static int scratch_for(int64_t V, struct scratch *s) {
-    static __thread char *block;
-    static __thread int64_t block_V;
-    int64_t G = 2 * V > GROUPS ? 2 * V : GROUPS, keys = 2 * V + 1024;
-    if (block_V != V) {
+    int64_t G = 2 * V > GROUPS ? 2 * V : GROUPS, keys = 2 * V + 1024, blocks = V / BLOCK + 1;
+    pthread_once(&scratch_key_once, make_scratch_key);
+    int64_t *block = pthread_getspecific(scratch_key);
+    if (!block || block[0] != V) {
         free(block);
-        block = malloc(sizeof(uint64_t) * keys + sizeof(double) * BUCKETS + sizeof(int64_t) * V +
-                       sizeof(float) * (5 * V + G) + sizeof(int32_t) * V);
-        block_V = block ? V : 0;
+        block = malloc(sizeof(int64_t) * (1 + V) + sizeof(uint64_t) * keys + sizeof(double) * (BUCKETS + blocks) +
+                       sizeof(float) * (4 * V + G) + sizeof(int32_t) * V);
+        pthread_setspecific(scratch_key, block);
         if (!block)
             return 0;
+        block[0] = V;
     }
-    s->keys = (uint64_t *)block;
+    s->ids = block + 1;
+    s->keys = (uint64_t *)(s->ids + V);
     s->bucket_mass = (double *)(s->keys + keys);
-    s->ids = (int64_t *)(s->bucket_mass + BUCKETS);
-    s->x = (float *)(s->ids + V);
+    s->block_sum = s->bucket_mass + BUCKETS;
+    s->x = (float *)(s->block_sum + blocks);
     s->w = s->x + V;
     s->values = s->w + V;
     s->window = s->values + V;
@@ -244,7 +258,8 @@ static int scratch_for(int64_t V, struct scratch *s) {
     return 1;
 }
 
-/* A row with a top_k: its k best and one more, scaled; more where ties with the k-th (or the cut) run past them. */
+/* A row with a top_k: its k best and one more, scaled; more where ties with the k-th run past them (top-p's mass
+   holds them all, as the core's does). */
 static int64_t draw_top_k(const float *row, int64_t V, int64_t k, float temperature, float top_p, float least, float u,
                           int wide, struct scratch *s) {
     int64_t K = k + 1 < V ? k + 1 : V;
@@ -252,62 +267,66 @@ static int64_t draw_top_k(const float *row, int64_t V, int64_t k, float temperat
         int64_t G = 2 * K > GROUPS ? 2 * K : GROUPS;
         top_k_row(row, V, K, G, s->keys, 2 * K + 1024, s->group_max, s->values, s->ids);
         scale_row(s->values, K, s->values[0], temperature, -__builtin_inff(), s->x, s->w);
-        float kept = cut_sorted(s->x, s->w, K, k, top_p, least);
-        if (K < V && s->x[K - 1] >= kept) {
+        if (K < V && s->x[K - 1] >= s->x[k - 1]) {
             K = 2 * (K - 1) + 1 < V ? 2 * (K - 1) + 1 : V;
             continue;
         }
-        return s->ids[invert_cdf(s->x, s->w, K, kept, u, wide, s->bucket_mass)];
+        float kept = cut_sorted(s->x, s->w, K, k, top_p, least);
+        block_sums(s->x, s->w, K, kept, s->block_sum);
+        return s->ids[invert_cdf(s->x, s->w, K, kept, u, wide, s->block_sum)];
     }
 }
 
-static int descending(const void *a, const void *b) {
-    float x = *(const float *)a, y = *(const float *)b;
-    return (x < y) - (x > y);
+/* x[0..n) sorted, largest first (NaN aside), by a radix sort of their bits made monotone: 4 passes of a byte,
+   through tmp (n), whatever the values: a window of every id (a row of one value) too */
+static void sort_descending(float *x, int64_t n, uint32_t *tmp) {
+    uint32_t *key = (uint32_t *)x, *from = key, *to = tmp;
+    for (int64_t i = 0; i < n; i++) /* larger float, smaller key: the complement of the bits made ascending */
+        key[i] = key[i] & 0x80000000u ? key[i] : ~(key[i] | 0x80000000u);
+    for (int shift = 0; shift < 32; shift += 8) {
+        int64_t start[257] = {0};
+        for (int64_t i = 0; i < n; i++)
+            start[(from[i] >> shift & 0xFF) + 1]++;
+        for (int d = 0; d < 256; d++)
+            start[d + 1] += start[d];
+        for (int64_t i = 0; i < n; i++)
+            to[start[from[i] >> shift & 0xFF]++] = from[i];
+        uint32_t *swap = from;
+        from = to;
+        to = swap;
+    }
+    for (int64_t i = 0; i < n; i++) /* four passes: the keys are back in x */
+        key[i] = key[i] & 0x80000000u ? key[i] : ~key[i] & 0x7FFFFFFFu;
 }
 
-/* the least of x[0..n) above FLOOR (the padding ids' clamped -inf would stretch the histogram), or FLOOR; and
-   the least of all, through *smallest */
-static float least_above_floor(const float *x, int64_t n, float *smallest) {
-    floats above = splat(0.0f), all = splat(0.0f);
-    for (int64_t i = 0; i < n; i += 16) {
-        floats v = load16(x, i, n, 0.0f);
-        above = blend((v < above) & (v > splat(FLOOR)), v, above);
-        all = blend(v < all, v, all);
-    }
-    float least = FLOOR + 1, low = 0;
-    for (int j = 0; j < 16; j++) {
-        least = above[j] < least ? above[j] : least;
-        low = all[j] < low ? all[j] : low;
-    }
-    *smallest = low;
-    return least < 0 ? least : FLOOR;
-}
-
-/* Each value's bucket: [low, 0] cut into BUCKETS - 1, the row's best first; FLOOR and NaN in the last. 16 at a time. */
-static void bucket_row(const float *x, int64_t n, float low, int32_t *bucket) {
+/* scale_row's x and w for a top-p row, and in the same pass each value's bucket (the histogram's: [low, 0] cut
+   into BUCKETS - 1, the best first; values at FLOOR and NaN in the last) and its weight summed into mass */
+static void scale_into_buckets(const float *row, int64_t n, float best, float temperature, float low,
+                               struct scratch *s) {
     float scale = (BUCKETS - 1) / -low;
+    double *mass = s->bucket_mass;
+    memset(mass, 0, sizeof(double) * BUCKETS);
     for (int64_t i = 0; i < n; i += 16) {
-        floats v = load16(x, i, n, 0.0f);
+        int64_t m = n - i < 16 ? n - i : 16;
+        floats v = load16(row, i, n, best);
+        v = (v - best) / temperature;
+        v = blend(v < splat(FLOOR), splat(FLOOR), v);
+        floats e = exp16(v);
         ints b = __builtin_convertvector(-v * scale, ints);
         b = (ints)blend((b >= 0) & (b < BUCKETS - 1) & (v > splat(FLOOR)), (floats)b, (floats)(b * 0 + BUCKETS - 1));
-        if (i + 16 <= n)
-            memcpy(bucket + i, &b, sizeof b);
-        else
-            memcpy(bucket + i, &b, sizeof(int32_t) * (n - i));
+        store16(s->x + i, v, m);
+        store16(s->w + i, e, m);
+        store16(s->bucket + i, (floats)b, m);
+        for (int j = 0; j < m; j++)
+            mass[b[j]] += e[j];
     }
 }
 
 /* Top-p alone: the least value kept, cut_sorted's over the row sorted, without sorting it. The row's weights go
    into buckets of its scaled values; the bucket where their mass reaches top_p of the whole holds the cut, and it
    is sorted, with the nonempty buckets on either side, and walked as cut_sorted walks the row. */
-static float cut_top_p(const float *x, const float *w, int64_t V, float top_p, float least, struct scratch *s) {
+static float cut_top_p(const float *x, int64_t V, float top_p, float least, float smallest, struct scratch *s) {
     double *mass = s->bucket_mass, total = 0, before = 0;
-    float smallest, low = least_above_floor(x, V, &smallest);
-    bucket_row(x, V, low, s->bucket);
-    memset(mass, 0, sizeof(double) * BUCKETS);
-    for (int64_t i = 0; i < V; i++)
-        mass[s->bucket[i]] += w[i];
     for (int b = 0; b < BUCKETS; b++)
         total += mass[b];
     float target = top_p * (float)total;
@@ -343,7 +362,7 @@ static float cut_top_p(const float *x, const float *w, int64_t V, float top_p, f
             n += s->bucket[j] >= lo && s->bucket[j] <= hi;
         }
     }
-    qsort(s->window, n, sizeof(float), descending);
+    sort_descending(s->window, n, (uint32_t *)s->ids);
     float last_kept = n ? s->window[0] : smallest;
     int64_t i = 0;
     for (; i < n; i++) {
@@ -362,11 +381,20 @@ static float cut_top_p(const float *x, const float *w, int64_t V, float top_p, f
 static int64_t draw_uncut(const float *row, int64_t V, float temperature, float top_p, float least, float u, int wide,
                           struct scratch *s) {
     int nan;
-    float best = row_max(row, V, &nan);
+    float lowest, lowest_finite, best = row_range(row, V, &nan, &lowest, &lowest_finite);
     best = nan ? __builtin_nanf("") : best; /* torch's amax: NaN wins */
-    scale_row(row, V, best, temperature, FLOOR, s->x, s->w);
-    float kept = top_p < 1 ? cut_top_p(s->x, s->w, V, top_p, least, s) : least;
-    return invert_cdf(s->x, s->w, V, kept, u, wide, s->bucket_mass);
+    float kept = least;
+    if (top_p < 1) { /* the least scaled value (the core's kth), and the histogram's range */
+        float smallest = (lowest - best) / temperature, low = (lowest_finite - best) / temperature;
+        smallest = smallest < FLOOR ? FLOOR : smallest;
+        low = low > FLOOR && low < 0 ? low : FLOOR;
+        scale_into_buckets(row, V, best, temperature, low, s);
+        kept = cut_top_p(s->x, V, top_p, least, smallest, s);
+    } else {
+        scale_row(row, V, best, temperature, FLOOR, s->x, s->w);
+    }
+    block_sums(s->x, s->w, V, kept, s->block_sum);
+    return invert_cdf(s->x, s->w, V, kept, u, wide, s->block_sum);
 }
 
 /* The rows, shared among num_threads threads, a row to a thread (its token does not depend on which). Returns 0,

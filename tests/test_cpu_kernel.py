@@ -315,6 +315,21 @@ def test_the_kernels_draw_is_each_rows_own_and_picks_among_ties_by_value():
         assert kernel_sample(logits[r : r + 1], rows[r : r + 1], position[r : r + 1]).item() == tokens[r]
 
 
+def test_the_kernels_draw_reads_ties_past_its_candidates_and_float64_argmaxes():
+    """A top-k row whose ties with its k-th run past its k best and one more holds them all in top-p's mass (a
+    review found it cut among the first two); a float64 greedy row takes the argmax of its float64 logits, not of
+    their float32 rounding."""
+    logits = torch.full((1, 200), -20.0)
+    logits[:, 0], logits[:, 1], logits[:, 2:12] = 0.0, -0.5, -1.0
+    rows = settings_rows(1, 1.0, 3, 0.6, 0.0)
+    drawn = [int(kernel_sample(logits, rows, torch.tensor([p]))) for p in range(60)]
+    want = [int(core_sample(logits, rows, torch.tensor([p]))) for p in range(60)]
+    assert logits[0, drawn].tolist() == logits[0, want].tolist()  # of tied ids, the same value
+    assert set(drawn) & set(range(2, 12))  # a tied id drawn: the ten at -1 are in the mass
+    wide = torch.tensor([[1.0, 1.0 + 1e-12, 0.5]], dtype=torch.float64)
+    assert int(kernel_sample(wide, settings_rows(1, 0.0, 0, 1.0, 0.0), torch.tensor([0]))) == 1
+
+
 def test_the_kernels_draw_survives_nan_and_infinite_rows():
     """NaN and rows of -inf give some id in range, as the core's garbage in gives garbage out, never a crash."""
     logits = torch.randn(6, 3000)

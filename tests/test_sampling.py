@@ -132,7 +132,7 @@ def kept_ids(logits, temperature, top_k, top_p, min_p):
         return set(torch.nonzero(x[0] >= least[0, 0]).flatten().tolist())
     values, ids = logits.float().topk(V)  # every candidate: this helper reads the set, not sample()'s speed
     x = scale(values, t)
-    least = cut_value(x, torch.tensor([best]), torch.tensor([top_p], dtype=torch.float64), least.float())
+    least = cut_value(x, torch.tensor([best]), torch.tensor([top_p], dtype=torch.float64), least.float())[0]
     return set(ids[0][x[0] >= least[0, 0]].tolist())
 
 
@@ -265,6 +265,21 @@ def test_top_p_and_min_p_draw_the_same_alone_and_in_a_batch(model, top_p, min_p)
         alone = run_engine(ServingEngine(model, num_blocks=40, block_size=4, max_batch=1), [make()[i]])
         assert together[i] == alone[0]
     assert together != baseline(model, prompts, news)
+
+
+def test_a_top_k_rows_top_p_reads_every_id_tied_with_its_k_th_alone_as_in_a_batch():
+    """Ties with the k-th that run past the candidates (its k best and one more) are kept, and top-p's mass must
+    hold them: alone, the row fetches more candidates for them, as it has them in a batch with a larger top_k.
+    A review found the fetch asked only whether the cut kept the one more (2026-11-28): alone, this row's top-p
+    cut fell among {0, 1}, where in the batch its mass held the ten ids tied at -1. Which of those tied ids a
+    draw takes follows torch.topk's order among ties, its own at each k."""
+    logits = torch.full((2, 200), -20.0)
+    logits[:, 0], logits[:, 1], logits[:, 2:12] = 0.0, -0.5, -1.0
+    for position in range(40):
+        pos = torch.tensor([position, position])
+        batch = sample(logits, rows([1.0, 1.0], [3, 100], [5, 6], [0.6, 1.0]), pos, 100, False)
+        alone = sample(logits[:1], rows(1.0, 3, 5, 0.6), pos[:1], 3, False)
+        assert logits[0, alone] == logits[0, batch[0]]  # the same value: among tied ids, torch.topk's order
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
