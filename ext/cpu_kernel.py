@@ -103,7 +103,9 @@ def load_kernel(real="float"):
     kernels.decode_attend.argtypes = [pointer] * 6 + [size] * 6 + [ctypes.c_double, ctypes.c_int, ctypes.c_int]
     kernels.top_k.argtypes = [pointer, size, size, size, pointer, pointer, ctypes.c_int]
     kernels.sample_rows.argtypes = [pointer, size, size, pointer, ctypes.c_int, pointer, ctypes.c_int]
-    kernels.decode_attend.restype = kernels.top_k.restype = kernels.sample_rows.restype = ctypes.c_int
+    kernels.score_rows.argtypes = [pointer, size, size, pointer, size, *[pointer] * 4, ctypes.c_int]
+    for kernel in (kernels.decode_attend, kernels.top_k, kernels.sample_rows, kernels.score_rows):
+        kernel.restype = ctypes.c_int
     return kernels
 
 
@@ -166,6 +168,21 @@ def kernel_sample(logits, settings, position, real="float"):
     if logits.dtype != torch.float32:  # greedy rows take the argmax of the logits as they are, as the core's do
         tokens = tokens.where(temperature > 0, argmax(logits))
     return tokens
+
+
+def kernel_scores(logits, targets, width):
+    """ext/logprobs.py's scores() for float32 logits on a CPU, through ext/sample.c's score_rows: logits (R, V),
+    targets (R,) -> on the host: each target's logprob (R,) and rank (R,), and the width likeliest ids (R, width)
+    and their logprobs (R, width); of tied values the lower id first."""
+    R, V = logits.shape
+    logits, targets = logits.contiguous(), targets.long().contiguous()
+    logprob, rank = torch.empty(R, dtype=torch.float32), torch.empty(R, dtype=torch.int32)
+    top_ids, top_logprobs = torch.empty(R, width, dtype=torch.int64), torch.empty(R, width, dtype=torch.float32)
+    out = (logprob, rank, top_ids, top_logprobs)
+    pointers = [t.data_ptr() for t in (logits, targets, *out)]
+    if load_kernel("float").score_rows(*pointers[:1], R, V, pointers[1], width, *pointers[2:], torch.get_num_threads()):
+        raise MemoryError(f"score_rows' scratch: rows of {V} ids")
+    return [t.numpy() for t in out]
 
 
 class KernelBatch(PagedBatch):

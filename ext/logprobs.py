@@ -178,6 +178,8 @@ class Logprobs:
         asking = [j for j in drawn if samplers[j].sequence.request.params.logprobs is not None]
         self.entries, self.scores = {}, None
         compiled = self.compile != "off" and logits.device.type == "cpu"  # no GPU has run it compiled yet
+        if self.compile == "kernel":
+            compiled = "kernel"  # float32 scores through the C kernel (ext/cpu_kernel.py)
         if asking:
             widths = [samplers[j].sequence.request.params.logprobs for j in asking]
             picked = slice(None) if len(asking) == len(samplers) else asking  # every row: no copy of the logits
@@ -262,7 +264,12 @@ def scores(logits, targets, width, compiled=False):
     """logits (R, V), targets (R,) -> on the host: each target's logprob (R,) and rank (R,), and the width
     likeliest ids (R, width) and their logprobs (R, width). In the logits' dtype, float32 at least (the engine
     samples in it); compiled: through torch.compile (on a CPU, 2-4x as fast as the eager ops at 512-2,048 rows of
-    2,048 ids, and never slower at 8-128)."""
+    2,048 ids, and never slower at 8-128), or "kernel": float32 logits on a CPU through ext/cpu_kernel.py's C
+    kernel (compile="kernel")."""
+    if compiled == "kernel" and logits.dtype == torch.float32 and logits.device.type == "cpu":
+        from ext.cpu_kernel import kernel_scores  # built with the engine's kernels: compile="kernel" asked for it
+
+        return kernel_scores(logits, targets, width)
     if len(logits) == 1:  # a lone row's sums are split across threads, and round apart from the same row among others
         return [t[:1] for t in scores(logits.repeat(2, 1), targets.repeat(2), width, compiled)]
     top_values, top_ids = two_level_topk(logits, width)

@@ -11,6 +11,7 @@
    take the neighbouring id. Of tied candidates the lower id comes first, as in top_k.c.
    Shapes, every array contiguous: logits (R, V) float32; rows (5, R) float32: each row's temperature, top_k (0:
    no cut), top_p, log(min_p) and u; tokens (R,) int64. */
+#include <math.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -66,6 +67,22 @@ static inline floats exp16(floats x) {
     memcpy(&e, &lo, sizeof lo);
     memcpy((float *)&e + 8, &hi, sizeof hi);
     return blend(below, splat(0.0f), e);
+}
+
+/* exp(x) of 16 values x <= 0 in float32 (Cephes' expf): within an ulp or two of exp16's, twice as fast, for a
+   logsumexp, where no draw compares its rounding; 0 below -87.3 */
+static inline floats exp16_float(floats x) {
+    ints below = x < splat(-87.3f);
+    floats t = blend(below, splat(-87.3f), x);
+    floats fx = t * 1.44269504088896341f + 0.5f;
+    ints n = __builtin_convertvector(fx, ints);
+    n += (ints)(__builtin_convertvector(n, floats) > fx); /* floor: -1 where truncation rounded up */
+    floats nf = __builtin_convertvector(n, floats);
+    floats r = t - nf * 0.693359375f + nf * 2.12194440e-4f;
+    floats y = ((((1.9875691500e-4f * r + 1.3981999507e-3f) * r + 8.3334519073e-3f) * r + 4.1665795894e-2f) * r +
+                1.6666665459e-1f) * r + 5.0000001201e-1f;
+    y = y * r * r + r + 1.0f;
+    return blend(below, splat(0.0f), y * (floats)((n + 127) << 23)); /* 2**n from its exponent bits */
 }
 
 /* x[i..i+16) as a vector, padded with pad past n */
@@ -422,6 +439,61 @@ int sample_rows(const float *logits, int64_t R, int64_t V, const float *rows, in
                 tokens[r] = draw_top_k(row, V, (int64_t)top_k[r], temperature[r], top_p[r], least[r], u[r], wide, &s);
             else
                 tokens[r] = draw_uncut(row, V, temperature[r], top_p[r], least[r], u[r], wide, &s);
+        }
+    }
+    return -failed;
+}
+
+/* Log-probabilities, as ext/logprobs.py's scores() reads them from a row: the target's logprob and rank (how many
+   ids are at least as likely, itself among them), and the width likeliest ids with their logprobs (top_k.c's
+   selection: of tied values the lower id first). The row's logsumexp sums float32 weights (exp16_float), runs of
+   1,024 in float32 and the runs in float64, where torch sums its own in float32 in its order: the logprobs agree
+   with the core's to float32's rounding.
+   Shapes: logits (R, V) float32; targets (R,) int64; logprob (R,) float32; rank (R,) int32; top_ids (R, width)
+   int64 and top_logprobs (R, width) float32. Returns 0, or -1 where a thread's buffers could not be allocated. */
+int score_rows(const float *logits, int64_t R, int64_t V, const int64_t *targets, int64_t width, float *logprob,
+               int32_t *rank, int64_t *top_ids, float *top_logprobs, int num_threads) {
+    int failed = 0;
+    int64_t k = width > 0 ? width : 1; /* the best value is the logsumexp's shift, whatever the width */
+#pragma omp parallel num_threads(num_threads)
+    {
+        struct scratch s = {0};
+        int ok = scratch_for(V, &s);
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t r = 0; r < R; r++) {
+            const float *row = logits + r * V;
+            if (!ok)
+                continue;
+            int64_t G = 2 * k > GROUPS ? 2 * k : GROUPS;
+            top_k_row(row, V, k, G, s.keys, 2 * k + 1024, s.group_max, s.values, s.ids);
+            float best = s.values[0], target = row[targets[r]];
+            double total = 0;
+            floats sum = {0}; /* runs of 64 vectors summed in float32, the runs in float64 */
+            ints at_least = {0}, lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+            for (int64_t i = 0; i < V; i += 16) {
+                floats v = load16(row, i, V, -__builtin_inff());
+                sum += exp16_float(v - best); /* the padding's -inf weighs 0 */
+                at_least -= (v >= splat(target)) & (lane < (int32_t)(V - i)); /* -1 where counted */
+                if ((i / 16) % 64 == 63 || i + 16 >= V) {
+                    for (int j = 0; j < 16; j++)
+                        total += sum[j];
+                    sum = splat(0.0f);
+                }
+            }
+            int32_t counted = 0;
+            for (int j = 0; j < 16; j++)
+                counted += at_least[j];
+            float log_total = (float)log(total) + best;
+            logprob[r] = target - log_total;
+            rank[r] = counted;
+            for (int64_t j = 0; j < width; j++) {
+                top_ids[r * width + j] = s.ids[j];
+                top_logprobs[r * width + j] = s.values[j] - log_total;
+            }
         }
     }
     return -failed;

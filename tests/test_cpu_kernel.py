@@ -18,7 +18,8 @@ from test_speculative import repetitive_prompts
 from test_swap import mixed_requests, outputs, storm_prompts
 
 from ext import ServingEngine, cpu_kernel, engine_class
-from ext.cpu_kernel import KernelBatch, kernel_attend, kernel_sample, kernel_topk
+from ext.cpu_kernel import KernelBatch, kernel_attend, kernel_sample, kernel_scores, kernel_topk
+from ext.logprobs import scores
 from harness.checkpoints import SHIPPED, load_checkpoint
 from harness.contiguous import ContiguousEngine
 from harness.metrics import agreement
@@ -340,6 +341,24 @@ def test_the_kernels_draw_survives_nan_and_infinite_rows():
     tokens = kernel_sample(logits, rows, torch.arange(6))
     assert tokens.min() >= 0 and tokens.max() < 3000
     assert tokens[0] == 17  # greedy: numpy's argmax, the first NaN
+
+
+@pytest.mark.parametrize("width", [0, 1, 5, 20])
+def test_the_kernels_scores_equal_logprobs_own_to_float32s_rounding(width):
+    """score_rows against ext/logprobs.py's scores() on float32 rows of GPT-2's padded vocabulary: each target's
+    rank and the likeliest ids equal (no ties in randn), the logprobs within float32's rounding of their sums."""
+    g = torch.Generator().manual_seed(width)
+    logits = torch.randn(37, 50304, generator=g) * 3
+    logits[:, 50257:] = float("-inf")
+    targets = torch.randint(0, 50257, (37,), generator=g)
+    targets[0] = logits[0].argmax()
+    got, want = kernel_scores(logits, targets, width), scores(logits, targets, width)
+    for name, a, b in zip(["logprob", "rank", "top ids", "top logprobs"], got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        np.testing.assert_allclose(a, b, rtol=0, atol=2e-5, err_msg=name)
+    assert got[1][0] == 1
+    one = kernel_scores(logits[3:4], targets[3:4], width)  # a row alone: its own thread's sums, the same bits
+    assert all(np.array_equal(a[3:4], b) for a, b in zip(got, one))
 
 
 def test_kernel_attend_refuses_what_it_cannot_read():
