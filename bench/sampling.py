@@ -10,8 +10,8 @@ held-out plays, 128 new tokens each, all at once, one PagedEngine with its defau
 alternated in one process after a warm-up of each: greedy; temperature 0.8 with top-k 200 (the "top-k" path);
 top-p 0.9 alone; min-p 0.05 alone; top-k 200 with logprobs=5 on every row (the engine composed with
 ext/logprobs.py, whose top ids come from an exact two-level selection, two_level_topk). With --compile kernel
-every engine runs ext/cpu_kernel.py's C kernels: decode attention, and every row's draw through ext/sample.c
-(docs/floor_and_sampling.md). Ratios are
+every engine runs ext/cpu_kernel.py's C kernels: decode attention, every row's draw and logprobs' scores
+through ext/sample.c (docs/floor_and_sampling.md). Ratios are
 taken per repeat; sample() is timed around the engine's own call, per step, median over the run. Random weights
 give nearly flat logits, so top-p 0.9 keeps most of the vocabulary here (the share is printed): the worst case
 for a sort. With --num-requests below 16 (nothing compiles), --new-tokens 16 and --repeats 1, a check that the

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from paged import PagedBatch
-from sampling import argmax, uniform
+from sampling import argmax
 
 SOURCES = [Path(__file__).with_name(name) for name in ("decode_attention.c", "top_k.c", "sample.c")]  # one library
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC"]
@@ -102,7 +102,7 @@ def load_kernel(real="float"):
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     kernels.decode_attend.argtypes = [pointer] * 6 + [size] * 6 + [ctypes.c_double, ctypes.c_int, ctypes.c_int]
     kernels.top_k.argtypes = [pointer, size, size, size, pointer, pointer, ctypes.c_int]
-    kernels.sample_rows.argtypes = [pointer, size, size, pointer, ctypes.c_int, pointer, ctypes.c_int]
+    kernels.sample_rows.argtypes = [pointer, size, size, pointer, pointer, pointer, ctypes.c_int, pointer, ctypes.c_int]
     kernels.score_rows.argtypes = [pointer, size, size, pointer, size, *[pointer] * 4, ctypes.c_int]
     for kernel in (kernels.decode_attend, kernels.top_k, kernels.sample_rows, kernels.score_rows):
         kernel.restype = ctypes.c_int
@@ -156,17 +156,17 @@ def kernel_sample(logits, settings, position, real="float"):
     the rounding of its exp of a boundary, or among tied candidates (there, the lower id first). real: the library
     to take it from (either build holds it), the one the engine loaded for its pool."""
     R, V = logits.shape
-    temperature, top_k, top_p, min_p, _ = settings.float().T  # as the core reads them
-    u = uniform(settings[:, 4].long(), position)
-    rows = torch.stack([temperature, top_k, top_p, min_p.log(), u.float()]).contiguous()  # (5, R)
+    settings, position = settings.double().contiguous(), position.long().contiguous()
+    least = settings[:, 3].float().log()  # min-p's least scaled value: torch's log, as the core's cut compares it
     tokens = torch.empty(R, dtype=torch.int64)
-    wide = int(u.dtype == torch.float64)  # the core's u, and its draw's target, in torch's default dtype
+    wide = int(torch.get_default_dtype() == torch.float64)  # the core's u, and its draw's target, in that dtype
     x = logits.float().contiguous()
+    pointers = [t.data_ptr() for t in (settings, least, position)]
     sample_rows = load_kernel(real).sample_rows
-    if sample_rows(x.data_ptr(), R, V, rows.data_ptr(), wide, tokens.data_ptr(), torch.get_num_threads()):
+    if sample_rows(x.data_ptr(), R, V, *pointers, wide, tokens.data_ptr(), torch.get_num_threads()):
         raise MemoryError(f"sample_rows' scratch: rows of {V} ids")
     if logits.dtype != torch.float32:  # greedy rows take the argmax of the logits as they are, as the core's do
-        tokens = tokens.where(temperature > 0, argmax(logits))
+        tokens = tokens.where(settings[:, 0] > 0, argmax(logits))
     return tokens
 
 
@@ -179,8 +179,9 @@ def kernel_scores(logits, targets, width):
     logprob, rank = torch.empty(R, dtype=torch.float32), torch.empty(R, dtype=torch.int32)
     top_ids, top_logprobs = torch.empty(R, width, dtype=torch.int64), torch.empty(R, width, dtype=torch.float32)
     out = (logprob, rank, top_ids, top_logprobs)
-    pointers = [t.data_ptr() for t in (logits, targets, *out)]
-    if load_kernel("float").score_rows(*pointers[:1], R, V, pointers[1], width, *pointers[2:], torch.get_num_threads()):
+    pointers = [t.data_ptr() for t in out]
+    score_rows = load_kernel("float").score_rows
+    if score_rows(logits.data_ptr(), R, V, targets.data_ptr(), width, *pointers, torch.get_num_threads()):
         raise MemoryError(f"score_rows' scratch: rows of {V} ids")
     return [t.numpy() for t in out]
 
@@ -217,6 +218,6 @@ class CpuKernel:
 
     def sample(self, logits, batch, samplers):
         """The core's draw (PagedEngine.sample), through ext/sample.c."""
-        if self.compile != "kernel":
-            return super().sample(logits, batch, samplers)
+        if self.compile != "kernel" or not any(s.request.params.temperature for s, *_ in samplers):
+            return super().sample(logits, batch, samplers)  # every row greedy: the core's argmax, with no call
         return kernel_sample(logits, self.settings[batch.sample_rows], batch.sample_pos, self.real)

@@ -9,8 +9,7 @@
    float64 stored as float32, as torch's CPU cumsum does); the weights are this file's exp, within an ulp or two of
    torch's, and the long sums run in another order: a draw whose u falls within that rounding of a boundary may
    take the neighbouring id. Of tied candidates the lower id comes first, as in top_k.c.
-   Shapes, every array contiguous: logits (R, V) float32; rows (5, R) float32: each row's temperature, top_k (0:
-   no cut), top_p, log(min_p) and u; tokens (R,) int64. */
+   Shapes, every array contiguous: logits (R, V) float32; tokens (R,) int64; the settings: sample_rows. */
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -275,13 +274,20 @@ static int scratch_for(int64_t V, struct scratch *s) {
     return 1;
 }
 
+/* top_k_row's groups for the k best of V: GROUPS, fewer where V is short (groups of 4 ids at least, so that its
+   first pass still sets a bar: at V = 2,048, the shipped model's, 512), and at least 2k */
+static int64_t groups_for(int64_t k, int64_t V) {
+    int64_t G = V / 4 < GROUPS ? V / 4 : GROUPS;
+    return G > 2 * k ? G : 2 * k;
+}
+
 /* A row with a top_k: its k best and one more, scaled; more where ties with the k-th run past them (top-p's mass
    holds them all, as the core's does). */
 static int64_t draw_top_k(const float *row, int64_t V, int64_t k, float temperature, float top_p, float least, float u,
                           int wide, struct scratch *s) {
     int64_t K = k + 1 < V ? k + 1 : V;
     for (;;) {
-        int64_t G = 2 * K > GROUPS ? 2 * K : GROUPS;
+        int64_t G = groups_for(K, V);
         top_k_row(row, V, K, G, s->keys, 2 * K + 1024, s->group_max, s->values, s->ids);
         scale_row(s->values, K, s->values[0], temperature, -__builtin_inff(), s->x, s->w);
         if (K < V && s->x[K - 1] >= s->x[k - 1]) {
@@ -414,11 +420,25 @@ static int64_t draw_uncut(const float *row, int64_t V, float temperature, float 
     return invert_cdf(s->x, s->w, V, kept, u, wide, s->block_sum);
 }
 
-/* The rows, shared among num_threads threads, a row to a thread (its token does not depend on which). Returns 0,
-   or -1 where a thread's buffers could not be allocated. */
-int sample_rows(const float *logits, int64_t R, int64_t V, const float *rows, int wide, int64_t *tokens,
-                int num_threads) {
-    const float *temperature = rows, *top_k = rows + R, *top_p = rows + 2 * R, *least = rows + 3 * R, *u = rows + 4 * R;
+/* sampling.uniform: a hash of (seed, position) -> the middle of one of 2**24 equal intervals of (0, 1), exact in
+   float32 (the same integer operations, so the same bits) */
+static uint64_t mix32(uint64_t x) {
+    x = ((x ^ (x >> 16)) * 0x21F0AAADu) & 0xFFFFFFFFu;
+    x = ((x ^ (x >> 15)) * 0x735A2D97u) & 0xFFFFFFFFu;
+    return x ^ (x >> 15);
+}
+
+static float uniform(int64_t seed, int64_t position) {
+    uint64_t x = mix32((mix32((uint64_t)seed) + (uint64_t)position) & 0xFFFFFFFFu);
+    return (float)(x >> 8 | 1) / 16777216.0f;
+}
+
+/* The rows, shared among num_threads threads, a row to a thread (its token does not depend on which). settings
+   (R, 5) float64: sampling.sample's (temperature, top_k, top_p, min_p, seed), read in float32 as it reads them;
+   least (R,) float32: each row's log(min_p), torch's; position (R,) int64. Returns 0, or -1 where a thread's
+   buffers could not be allocated. */
+int sample_rows(const float *logits, int64_t R, int64_t V, const double *settings, const float *least,
+                const int64_t *position, int wide, int64_t *tokens, int num_threads) {
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -431,14 +451,18 @@ int sample_rows(const float *logits, int64_t R, int64_t V, const float *rows, in
 #pragma omp for schedule(dynamic, 1)
         for (int64_t r = 0; r < R; r++) {
             const float *row = logits + r * V;
+            const double *row_settings = settings + 5 * r;
+            float temperature = (float)row_settings[0], top_p = (float)row_settings[2];
+            int64_t top_k = (int64_t)row_settings[1];
+            float u = uniform((int64_t)row_settings[4], position[r]);
             if (!ok)
                 continue;
-            if (temperature[r] == 0)
+            if (temperature == 0)
                 tokens[r] = argmax(row, V);
-            else if (top_k[r] > 0)
-                tokens[r] = draw_top_k(row, V, (int64_t)top_k[r], temperature[r], top_p[r], least[r], u[r], wide, &s);
+            else if (top_k > 0)
+                tokens[r] = draw_top_k(row, V, top_k, temperature, top_p, least[r], u, wide, &s);
             else
-                tokens[r] = draw_uncut(row, V, temperature[r], top_p[r], least[r], u[r], wide, &s);
+                tokens[r] = draw_uncut(row, V, temperature, top_p, least[r], u, wide, &s);
         }
     }
     return -failed;
@@ -468,7 +492,7 @@ int score_rows(const float *logits, int64_t R, int64_t V, const int64_t *targets
             const float *row = logits + r * V;
             if (!ok)
                 continue;
-            int64_t G = 2 * k > GROUPS ? 2 * k : GROUPS;
+            int64_t G = groups_for(k, V);
             top_k_row(row, V, k, G, s.keys, 2 * k + 1024, s.group_max, s.values, s.ids);
             float best = s.values[0], target = row[targets[r]];
             double total = 0;
