@@ -175,6 +175,8 @@ def kernel_scores(logits, targets, width):
     targets (R,) -> on the host: each target's logprob (R,) and rank (R,), and the width likeliest ids (R, width)
     and their logprobs (R, width); of tied values the lower id first."""
     R, V = logits.shape
+    if not 0 <= width <= V:  # the engine's logprobs are at most its vocabulary's (ext/logprobs.py)
+        raise ValueError(f"kernel_scores: width {width} must be in 0..{V}, the row's ids")
     logits, targets = logits.contiguous(), targets.long().contiguous()
     logprob, rank = torch.empty(R, dtype=torch.float32), torch.empty(R, dtype=torch.int32)
     top_ids, top_logprobs = torch.empty(R, width, dtype=torch.int64), torch.empty(R, width, dtype=torch.float32)

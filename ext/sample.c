@@ -453,7 +453,7 @@ int sample_rows(const float *logits, int64_t R, int64_t V, const double *setting
             const float *row = logits + r * V;
             const double *row_settings = settings + 5 * r;
             float temperature = (float)row_settings[0], top_p = (float)row_settings[2];
-            int64_t top_k = (int64_t)row_settings[1];
+            int64_t top_k = row_settings[1] < V ? (int64_t)row_settings[1] : 0; /* as SamplingParams.best: all */
             float u = uniform((int64_t)row_settings[4], position[r]);
             if (!ok)
                 continue;

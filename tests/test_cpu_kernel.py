@@ -359,6 +359,8 @@ def test_the_kernels_scores_equal_logprobs_own_to_float32s_rounding(width):
     assert got[1][0] == 1
     one = kernel_scores(logits[3:4], targets[3:4], width)  # a row alone: its own thread's sums, the same bits
     assert all(np.array_equal(a[3:4], b) for a, b in zip(got, one))
+    with pytest.raises(ValueError, match="width 6 must be in 0..5"):  # found by review: it read past the row
+        kernel_scores(logits[:2, :5], targets[:2] % 5, 6)
 
 
 def test_kernel_attend_refuses_what_it_cannot_read():

@@ -100,9 +100,10 @@ def test_soak_5000_short_requests_through_a_tiny_pool_leak_nothing(model):
         (([1], 5, dict(temperature=-1.0)), "temperature -1.0 must be a finite number >= 0"),
         (([1], 5, dict(temperature=float("nan"))), "temperature nan must be a finite number >= 0"),
         (([1], 5, dict(temperature=1.0, top_k=0)), "top_k 0 >= 1"),
-        (([1], 5, dict(temperature=1.0, top_p=0)), "top_p 0 must be in (0, 1]"),
-        (([1], 5, dict(temperature=1.0, top_p=1.5)), "top_p 1.5 must be in (0, 1]"),
-        (([1], 5, dict(temperature=1.0, top_p=float("nan"))), "top_p nan must be in (0, 1]"),
+        (([1], 5, dict(temperature=1.0, top_p=0)), "top_p 0 must be in [1e-38, 1]"),
+        (([1], 5, dict(temperature=1.0, top_p=1e-50)), "top_p 1e-50 must be in [1e-38, 1]"),  # 0 in float32
+        (([1], 5, dict(temperature=1.0, top_p=1.5)), "top_p 1.5 must be in [1e-38, 1]"),
+        (([1], 5, dict(temperature=1.0, top_p=float("nan"))), "top_p nan must be in [1e-38, 1]"),
         (([1], 5, dict(temperature=1.0, min_p=-0.1)), "min_p -0.1 in [0, 1]"),
         (([1], 5, dict(temperature=1.0, min_p=2)), "min_p 2 in [0, 1]"),
         # the core runs one sequence a request: samples and beams are the forks extension's
