@@ -6,9 +6,10 @@
    top_k.c; top-p alone finds its cut from a histogram of the row's weights, and sorts (by radix) only the bucket
    the cut falls in and its nonempty neighbours.
    The values it compares are the core's, bit for bit (the same float32 subtractions and divisions, sums in
-   float64 stored as float32, as torch's CPU cumsum does); the weights are this file's exp, within an ulp or two of
-   torch's, and the long sums run in another order: a draw whose u falls within that rounding of a boundary may
-   take the neighbouring id. Of tied candidates the lower id comes first, as in top_k.c.
+   float64 stored as float32, as torch's CPU cumsum does); the weights are this file's exp, correctly rounded
+   nearly always (torch's differs from it by an ulp in ~1% of values), and the long sums run in another order: a
+   draw whose u falls within that rounding of a boundary may take the neighbouring id. Of tied candidates the
+   lower id comes first, as in top_k.c. score_rows, at the end, gives ext/logprobs.py's scores the same way.
    Shapes, every array contiguous: logits (R, V) float32; tokens (R,) int64; the settings: sample_rows. */
 #include <math.h>
 #include <pthread.h>
@@ -377,9 +378,9 @@ static float cut_top_p(const float *x, int64_t V, float top_p, float least, floa
         else
             memcpy(&b, s->bucket + i, sizeof(int32_t) * m);
         ints in = (b >= lo) & (b <= hi);
-        int any = 0;
-        for (int j = 0; j < 16; j++)
-            any |= in[j];
+        typedef int64_t pairs __attribute__((vector_size(64)));
+        pairs p = (pairs)in; /* the 16 tests as 8 pairs: OR-ed in 7 steps, where 16 lanes took 15 (25 against 35 us) */
+        int any = ((p[0] | p[1]) | (p[2] | p[3]) | (p[4] | p[5]) | (p[6] | p[7])) != 0;
         for (int64_t j = i; any && j < i + m; j++) {
             s->window[n] = x[j];
             n += s->bucket[j] >= lo && s->bucket[j] <= hi;
