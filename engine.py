@@ -103,7 +103,8 @@ class Engine:
         p = r.params
         if not 0 <= p.temperature < math.inf or p.top_k is not None and p.top_k < 1:  # NaN too
             raise ValueError(f"temperature {p.temperature} must be a finite number >= 0 and top_k {p.top_k} >= 1")
-        if not (1e-38 <= p.top_p <= 1 and 0 <= p.min_p <= 1):  # the sampler reads top_p in float32: less is 0 there
+        # the sampler reads top_p in float32: below 1e-38 it loses precision there, below ~7e-46 it is 0
+        if not (1e-38 <= p.top_p <= 1 and 0 <= p.min_p <= 1):
             raise ValueError(f"top_p {p.top_p} must be in [1e-38, 1] and min_p {p.min_p} in [0, 1]")
         self.check_extensions(r, p)
 

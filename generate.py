@@ -158,7 +158,8 @@ def parser():
         "with async steps and flex_attention in large batches (on a CPU, padded without capture). step "
         "(ext/compiled_steps.py, CPU): steps of at most 8 sequences of at most 16 tokens each (batch-1 decoding, "
         "speculative verify steps) as one compiled graph of the whole forward. kernel (ext/cpu_kernel.py, CPU): "
-        "decode attention through a C kernel of our own, built with the system's C compiler at first use (~1 s). "
+        "decode attention, each row's draw and logprobs' scores through C kernels of our own, built with the "
+        "system's C compiler at first use (~1 s). "
         "The one-time compile (~20 s, a few once cached; for step ~60 s, ~35 s cached) and capture are shown "
         "before the run",
     )

@@ -1,4 +1,4 @@
-"""Decode attention and the sampler's top-k through C kernels of our own, on a CPU (compile="kernel"). The core's
+"""Decode attention, the sampler's draw and logprobs' scores through C kernels of our own, on a CPU (compile="kernel"). The core's
 decode attention on a CPU gathers each row's blocks and calls SDPA (below 16 rows), or runs gather_attend through
 torch.compile; either way a step's rows go through torch ops made for dense tensors. ext/decode_attention.c walks
 each row's block table itself: one row per thread at a time, every head of a slot read at once, scores, softmax
@@ -135,10 +135,11 @@ def kernel_attend(q, k_pool, v_pool, table, kv_len):
 
 
 def kernel_topk(x, k, real="float"):
-    """torch.topk's contract where the sampler calls it: x (R, V) float32 on a CPU, 0 < k <= V -> each row's k
-    largest values (R, k), best first, and their ids (R, k) int64, through ext/top_k.c (of equal values
-    the lower id first: torch's order among ties is its own). Anything else goes to torch.topk. real: the
-    library to take it from (either build holds it), the one the engine loaded for its pool."""
+    """top_k.c's selection alone, which sample.c's top-k rows and score_rows call and the tests hold to a stable
+    sort here, in torch.topk's contract: x (R, V) float32 on a CPU, 0 < k <= V -> each row's k largest values
+    (R, k), best first, and their ids (R, k) int64 (of equal values the lower id first: torch's order among
+    ties is its own). Anything else goes to torch.topk. real: the library to take it from (either build holds
+    it)."""
     R, V = x.shape
     if x.dtype != torch.float32 or x.device.type != "cpu" or not 0 < k <= V:
         return torch.topk(x, k)
@@ -166,7 +167,7 @@ def kernel_sample(logits, settings, position, real="float"):
     if sample_rows(x.data_ptr(), R, V, *pointers, wide, tokens.data_ptr(), torch.get_num_threads()):
         raise MemoryError(f"sample_rows' scratch: rows of {V} ids")
     if logits.dtype != torch.float32:  # greedy rows take the argmax of the logits as they are, as the core's do
-        tokens = tokens.where(settings[:, 0] > 0, argmax(logits))
+        tokens = tokens.where(settings[:, 0].float() > 0, argmax(logits))  # greedy in float32, as the core reads it
     return tokens
 
 
@@ -175,8 +176,12 @@ def kernel_scores(logits, targets, width):
     targets (R,) -> on the host: each target's logprob (R,) and rank (R,), and the width likeliest ids (R, width)
     and their logprobs (R, width); of tied values the lower id first."""
     R, V = logits.shape
+    if logits.dtype != torch.float32 or logits.device.type != "cpu":
+        raise ValueError(f"kernel_scores takes float32 logits on a CPU, not {logits.dtype} on {logits.device}")
     if not 0 <= width <= V:  # the engine's logprobs are at most its vocabulary's (ext/logprobs.py)
         raise ValueError(f"kernel_scores: width {width} must be in 0..{V}, the row's ids")
+    if len(targets) and not 0 <= int(targets.min()) <= int(targets.max()) < V:
+        raise ValueError(f"kernel_scores: targets must be ids in 0..{V - 1}")
     logits, targets = logits.contiguous(), targets.long().contiguous()
     logprob, rank = torch.empty(R, dtype=torch.float32), torch.empty(R, dtype=torch.int32)
     top_ids, top_logprobs = torch.empty(R, width, dtype=torch.int64), torch.empty(R, width, dtype=torch.float32)
@@ -202,7 +207,8 @@ class KernelBatch(PagedBatch):
 
 
 class CpuKernel:
-    """A PagedEngine mixin: compile="kernel" runs decode attention on a CPU through ext/decode_attention.c."""
+    """A PagedEngine mixin: compile="kernel" runs decode attention on a CPU through ext/decode_attention.c, and
+    each step's draw through ext/sample.c (logprobs' scores too: ext/logprobs.py's scores)."""
 
     compile_modes = ("auto", "on", "off", "kernel")
 

@@ -421,7 +421,7 @@ static int64_t draw_uncut(const float *row, int64_t V, float temperature, float 
     return invert_cdf(s->x, s->w, V, kept, u, wide, s->block_sum);
 }
 
-/* sampling.uniform: a hash of (seed, position) -> the middle of one of 2**24 equal intervals of (0, 1), exact in
+/* sampling.uniform: a hash of (seed, position) -> the middle of one of 2**23 equal intervals of (0, 1), exact in
    float32 (the same integer operations, so the same bits) */
 static uint64_t mix32(uint64_t x) {
     x = ((x ^ (x >> 16)) * 0x21F0AAADu) & 0xFFFFFFFFu;

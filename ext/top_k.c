@@ -1,8 +1,8 @@
-/* Each row's k largest values, best first, with their ids: torch.topk's contract where the sampler calls it
-   (sampling.sample's candidates), in two passes over the row and no sort of it. Of equal values the lower id comes
-   first (torch's own order among ties is unspecified); NaN goes above every number, as in torch.topk.
-   ext/cpu_kernel.py builds it beside decode_attention.c and sample.c (whose top-k rows call top_k_row), into one
-   library.
+/* Each row's k largest values, best first, with their ids (torch.topk's contract), in two passes over the row and
+   no sort of it. Of equal values the lower id comes first (torch's own order among ties is unspecified); NaN goes
+   above every number, as in torch.topk. sample.c's top-k rows and score_rows call top_k_row; top_k, over a whole
+   array, is what the tests hold to a stable sort (kernel_topk). ext/cpu_kernel.py builds it beside
+   decode_attention.c and sample.c, into one library.
    Shapes, every array contiguous: x (R, V) float32, V < 2**32; values (R, k) float32 and ids (R, k) int64. */
 #include <stdint.h>
 #include <stdlib.h>

@@ -2,7 +2,9 @@
 float64 to rounding, and within float32's and bf16's rounding of it in those dtypes, at every block size, head
 size and table with stale entries; a row's output is the same bits whatever rows run beside it; in float64 the
 engine's tokens equal the contiguous baseline's under preemption, swap, prefix hits, forks, beams and speculation,
-and the shipped model's float32 tokens equal the core's. A missing compiler or a failed build is one line."""
+and the shipped model's float32 tokens equal the core's. The draw in C (ext/sample.c) gives the core's tokens on
+every sampling setting, and its scores logprobs' own within float32's rounding; top_k.c's selection equals a
+stable sort. A missing compiler or a failed build is one line."""
 
 import copy
 from pathlib import Path
@@ -24,7 +26,8 @@ from harness.checkpoints import SHIPPED, load_checkpoint
 from harness.contiguous import ContiguousEngine
 from harness.metrics import agreement
 from paged import gather_attend
-from sampling import sample
+from sampling import sample, uniform
+from sequence import Request, SamplingParams
 
 
 def random_rows(B, H, D, block_size, num_blocks, dtype, seed=0):
@@ -176,6 +179,50 @@ def test_the_shipped_models_float32_tokens_through_the_kernel_are_the_cores():
         assert outputs(got) == outputs(want)
 
 
+def test_the_shipped_models_top_p_min_p_and_logprobs_through_the_kernel_are_the_cores(monkeypatch):
+    """In float32, rows with top-p, min-p, top-k and logprobs=3 (with prompt logprobs) drawn and scored in C (the
+    calls counted: they ran) give the core's tokens, and logprobs within float32's rounding of its."""
+    model = load_checkpoint(SHIPPED)
+    calls = {"kernel_sample": 0, "kernel_scores": 0}
+
+    def counting(name):
+        real = getattr(cpu_kernel, name)
+
+        def counted(*args):
+            calls[name] += 1
+            return real(*args)
+
+        return counted
+
+    for name in calls:
+        monkeypatch.setattr(cpu_kernel, name, counting(name))
+    kinds = [dict(top_p=0.9), dict(min_p=0.05), dict(top_k=30, top_p=0.8), dict(top_p=0.5, min_p=0.02), dict()]
+
+    def requests():
+        return [
+            Request(
+                [(5 * i + j) % 2048 for j in range(4 + 3 * i)],
+                12,
+                SamplingParams(temperature=0.9, seed=i, logprobs=3, prompt_logprobs=2, **kinds[i % 5]),
+            )
+            for i in range(10)
+        ]
+
+    got, want = requests(), requests()
+    run_engine(ServingEngine(model, num_blocks=200, max_batch=8, compile="kernel"), got, check=True)
+    run_engine(ServingEngine(model, num_blocks=200, max_batch=8), want)
+    assert outputs(got) == outputs(want)
+    assert calls["kernel_sample"] > 0 and calls["kernel_scores"] > 0
+    for a, b in zip(got, want):
+        assert len(a.sequences[0].logprobs) == len(b.sequences[0].logprobs) == 12
+        for entry, other in zip(a.sequences[0].logprobs, b.sequences[0].logprobs):
+            assert list(entry) == list(other) and [x.rank for x in entry.values()] == [x.rank for x in other.values()]
+            assert [x.logprob for x in entry.values()] == pytest.approx([x.logprob for x in other.values()], abs=1e-5)
+        pa, pb = a.prompt_logprobs, b.prompt_logprobs
+        assert np.array_equal(pa.top_ids, pb.top_ids) and np.array_equal(pa.rank, pb.rank)
+        np.testing.assert_allclose(pa.logprob, pb.logprob, rtol=0, atol=1e-5)
+
+
 def test_the_shipped_model_in_bf16_agrees_with_the_baseline_as_the_cores_paths_do():
     """tests/test_bf16.py's check of the core's eager and compiled paths, through the kernel: bf16 rounds apart
     in each, so outputs may part after a near tie; a K/V in a wrong slot, block or dtype would part at once."""
@@ -298,13 +345,14 @@ def test_the_kernels_draw_equals_the_cores_on_every_setting(scale):
 
 
 def test_the_kernels_draw_is_each_rows_own_and_picks_among_ties_by_value():
-    """A row draws the same token alone as among others. Of tied values (bf16 logits, and rows of one value where
-    ties run past every doubling of the candidates), a top-k row may take another id than the core, never another
-    value; a row with no top-k draws in id order, the core's token."""
+    """A row draws the same token alone as among others. Of tied values (bf16 logits), a top-k row may take
+    another id than the core, never another value; a row with no top-k draws in id order, the core's token. A
+    top-k row of one value, whose ties run past every doubling of its candidates, holds every id in id order:
+    its token is the column of the core's inverse CDF over equal weights, floor(u V)."""
     R, V = 32, 5000
     g = torch.Generator().manual_seed(5)
     logits = (torch.randn(R, V, generator=g) * 2).bfloat16().float()
-    logits[-2:] = 1.5  # every id tied
+    logits[:2] = 1.5  # every id tied, in two top-k rows
     position = torch.randint(0, 1000, (R,), generator=g)
     rows = torch.cat([settings_rows(R // 4, *c, seed=i) for i, c in enumerate(SETTINGS[1:5])])
     tokens = kernel_sample(logits, rows, position)
@@ -314,6 +362,8 @@ def test_the_kernels_draw_is_each_rows_own_and_picks_among_ties_by_value():
     assert torch.equal(tokens[uncut], want[uncut])
     for r in range(0, R, 5):
         assert kernel_sample(logits[r : r + 1], rows[r : r + 1], position[r : r + 1]).item() == tokens[r]
+    u = uniform(rows[:2, 4].long(), position[:2]).float()
+    assert tokens[:2].tolist() == (u * V).floor().long().clamp(max=V - 1).tolist()
 
 
 def test_the_kernels_draw_reads_ties_past_its_candidates_and_float64_argmaxes():
@@ -340,6 +390,10 @@ def test_the_kernels_draw_survives_nan_and_infinite_rows():
     rows = torch.cat([settings_rows(2, *c) for c in [(0.0, 0, 1, 0), (1.0, 0, 0.9, 0), (1.0, 30, 0.9, 0.1)]])
     tokens = kernel_sample(logits, rows, torch.arange(6))
     assert tokens.min() >= 0 and tokens.max() < 3000
+    for setting in [(1.0, 0, 0.9, 0), (1.0, 30, 1, 0), (1.0, 0, 1, 0.1), (1.0, 0, 1, 0)]:  # sampled rows of one value
+        for value in [float("-inf"), float("nan"), float("inf")]:
+            row = torch.full((1, 3000), value)
+            assert 0 <= int(kernel_sample(row, settings_rows(1, *setting), torch.tensor([4]))) < 3000
     assert tokens[0] == 17  # greedy: numpy's argmax, the first NaN
 
 
