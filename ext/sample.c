@@ -434,12 +434,11 @@ static float uniform(int64_t seed, int64_t position) {
     return (float)(x >> 8 | 1) / 16777216.0f;
 }
 
-/* The rows, shared among num_threads threads, a row to a thread (its token does not depend on which). settings
-   (R, 5) float64: sampling.sample's (temperature, top_k, top_p, min_p, seed), read in float32 as it reads them;
-   least (R,) float32: each row's log(min_p), torch's; position (R,) int64. Returns 0, or -1 where a thread's
-   buffers could not be allocated. */
-int sample_rows(const float *logits, int64_t R, int64_t V, const double *settings, const float *least,
-                const int64_t *position, int wide, int64_t *tokens, int num_threads) {
+/* Calls each(r, scratch, args) for every row r < R, the rows shared among num_threads threads, a row to a thread at
+   a time (so that a row's result does not depend on which), with that thread's scratch for rows of V ids. Returns
+   0, or -1 where a thread's scratch could not be allocated. */
+static int for_each_row(int64_t R, int64_t V, int num_threads, void (*each)(int64_t, struct scratch *, const void *),
+                        const void *args) {
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -450,76 +449,100 @@ int sample_rows(const float *logits, int64_t R, int64_t V, const double *setting
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t r = 0; r < R; r++) {
-            const float *row = logits + r * V;
-            const double *row_settings = settings + 5 * r;
-            float temperature = (float)row_settings[0], top_p = (float)row_settings[2];
-            int64_t top_k = row_settings[1] < V ? (int64_t)row_settings[1] : 0; /* as SamplingParams.best: all */
-            float u = uniform((int64_t)row_settings[4], position[r]);
-            if (!ok)
-                continue;
-            if (temperature == 0)
-                tokens[r] = argmax(row, V);
-            else if (top_k > 0)
-                tokens[r] = draw_top_k(row, V, top_k, temperature, top_p, least[r], u, wide, &s);
-            else
-                tokens[r] = draw_uncut(row, V, temperature, top_p, least[r], u, wide, &s);
-        }
+        for (int64_t r = 0; r < R; r++)
+            if (ok)
+                each(r, &s, args);
     }
     return -failed;
 }
 
-/* Log-probabilities, as ext/logprobs.py's scores() reads them from a row: the target's logprob and rank (how many
-   ids are at least as likely, itself among them), and the width likeliest ids with their logprobs (top_k.c's
-   selection: of tied values the lower id first). The row's logsumexp sums float32 weights (exp16_float), runs of
-   1,024 in float32 and the runs in float64, where torch sums its own in float32 in its order: the logprobs agree
-   with the core's to float32's rounding.
-   Shapes: logits (R, V) float32; targets (R,) int64; logprob (R,) float32; rank (R,) int32; top_ids (R, width)
-   int64 and top_logprobs (R, width) float32. Returns 0, or -1 where a thread's buffers could not be allocated. */
-int score_rows(const float *logits, int64_t R, int64_t V, const int64_t *targets, int64_t width, float *logprob,
-               int32_t *rank, int64_t *top_ids, float *top_logprobs, int num_threads) {
-    int failed = 0;
-    int64_t k = width > 0 ? width : 1; /* the best value is the logsumexp's shift, whatever the width */
-#pragma omp parallel num_threads(num_threads)
-    {
-        struct scratch s = {0};
-        int ok = scratch_for(V, &s);
-        if (!ok) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t r = 0; r < R; r++) {
-            const float *row = logits + r * V;
-            if (!ok)
-                continue;
-            int64_t G = groups_for(k, V);
-            top_k_row(row, V, k, G, s.keys, 2 * k + 1024, s.group_max, s.values, s.ids);
-            float best = s.values[0], target = row[targets[r]];
-            double total = 0;
-            floats sum = {0}; /* runs of 64 vectors summed in float32, the runs in float64 */
-            ints at_least = {0}, lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-            for (int64_t i = 0; i < V; i += 16) {
-                floats v = load16(row, i, V, -__builtin_inff());
-                sum += exp16_float(v - best); /* the padding's -inf weighs 0 */
-                at_least -= (v >= splat(target)) & (lane < (int32_t)(V - i)); /* -1 where counted */
-                if ((i / 16) % 64 == 63 || i + 16 >= V) {
-                    for (int j = 0; j < 16; j++)
-                        total += sum[j];
-                    sum = splat(0.0f);
-                }
-            }
-            int32_t counted = 0;
+struct draw_args {
+    const float *logits;
+    int64_t V;
+    const double *settings;
+    const float *least;
+    const int64_t *position;
+    int wide;
+    int64_t *tokens;
+};
+
+static void draw_row(int64_t r, struct scratch *s, const void *args) {
+    const struct draw_args *a = args;
+    const float *row = a->logits + r * a->V;
+    const double *settings = a->settings + 5 * r;
+    float temperature = (float)settings[0], top_p = (float)settings[2], u = uniform((int64_t)settings[4], a->position[r]);
+    int64_t top_k = settings[1] < a->V ? (int64_t)settings[1] : 0; /* as SamplingParams.best: every id */
+    if (temperature == 0)
+        a->tokens[r] = argmax(row, a->V);
+    else if (top_k > 0)
+        a->tokens[r] = draw_top_k(row, a->V, top_k, temperature, top_p, a->least[r], u, a->wide, s);
+    else
+        a->tokens[r] = draw_uncut(row, a->V, temperature, top_p, a->least[r], u, a->wide, s);
+}
+
+/* Each row's token. settings (R, 5) float64: sampling.sample's (temperature, top_k, top_p, min_p, seed), read in
+   float32 as it reads them; least (R,) float32: each row's log(min_p), torch's; position (R,) int64. Returns 0, or
+   -1 where a thread's scratch could not be allocated. */
+int sample_rows(const float *logits, int64_t R, int64_t V, const double *settings, const float *least,
+                const int64_t *position, int wide, int64_t *tokens, int num_threads) {
+    struct draw_args args = {logits, V, settings, least, position, wide, tokens};
+    return for_each_row(R, V, num_threads, draw_row, &args);
+}
+
+struct score_args {
+    const float *logits;
+    int64_t V;
+    const int64_t *targets;
+    int64_t width;
+    float *logprob;
+    int32_t *rank;
+    int64_t *top_ids;
+    float *top_logprobs;
+};
+
+/* The row's logsumexp from float32 weights (exp16_float), runs of 1,024 summed in float32 and the runs in float64,
+   and how many of its values are at least target -> log(sum of exp(x - best)) + best */
+static float log_total(const float *row, int64_t V, float best, float target, int32_t *at_least) {
+    double total = 0;
+    floats sum = {0};
+    ints counted = {0}, lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    for (int64_t i = 0; i < V; i += 16) {
+        floats v = load16(row, i, V, -__builtin_inff());
+        sum += exp16_float(v - best); /* the padding's -inf weighs 0 */
+        counted -= (v >= splat(target)) & (lane < (int32_t)(V - i)); /* -1 where counted */
+        if ((i / 16) % 64 == 63 || i + 16 >= V) {
             for (int j = 0; j < 16; j++)
-                counted += at_least[j];
-            float log_total = (float)log(total) + best;
-            logprob[r] = target - log_total;
-            rank[r] = counted;
-            for (int64_t j = 0; j < width; j++) {
-                top_ids[r * width + j] = s.ids[j];
-                top_logprobs[r * width + j] = s.values[j] - log_total;
-            }
+                total += sum[j];
+            sum = splat(0.0f);
         }
     }
-    return -failed;
+    *at_least = 0;
+    for (int j = 0; j < 16; j++)
+        *at_least += counted[j];
+    return (float)log(total) + best;
+}
+
+static void score_row(int64_t r, struct scratch *s, const void *args) {
+    const struct score_args *a = args;
+    const float *row = a->logits + r * a->V;
+    int64_t k = a->width > 0 ? a->width : 1; /* the best value is the logsumexp's shift, whatever the width */
+    top_k_row(row, a->V, k, groups_for(k, a->V), s->keys, 2 * k + 1024, s->group_max, s->values, s->ids);
+    float target = row[a->targets[r]], total = log_total(row, a->V, s->values[0], target, &a->rank[r]);
+    a->logprob[r] = target - total;
+    for (int64_t j = 0; j < a->width; j++) {
+        a->top_ids[r * a->width + j] = s->ids[j];
+        a->top_logprobs[r * a->width + j] = s->values[j] - total;
+    }
+}
+
+/* Log-probabilities, as ext/logprobs.py's scores() reads them from a row: the target's logprob and rank (how many
+   ids are at least as likely, itself among them), and the width likeliest ids with their logprobs (top_k.c's
+   selection: of tied values the lower id first). torch sums its weights in float32 in its own order: the logprobs
+   agree with the core's to float32's rounding.
+   Shapes: logits (R, V) float32; targets (R,) int64; logprob (R,) float32; rank (R,) int32; top_ids (R, width)
+   int64 and top_logprobs (R, width) float32. Returns 0, or -1 where a thread's scratch could not be allocated. */
+int score_rows(const float *logits, int64_t R, int64_t V, const int64_t *targets, int64_t width, float *logprob,
+               int32_t *rank, int64_t *top_ids, float *top_logprobs, int num_threads) {
+    struct score_args args = {logits, V, targets, width, logprob, rank, top_ids, top_logprobs};
+    return for_each_row(R, V, num_threads, score_row, &args);
 }
