@@ -23,7 +23,7 @@ The seams, each: who calls it -> who overrides it (ext/ unless named).
     mark_computed(plan)     step -> PagedEngine (the prefix cache), forks (forks take their parent's blocks),
                             speculative (only verified tokens count)
     sample(logits, ...)     step -> forks (a beam's log-probabilities), logprobs (the asked-for entries),
-                            cpu_kernel (top-k candidates selected in C)
+                            cpu_kernel (every row's draw in C)
     append_tokens(...)      step -> forks (beams step as a group), speculative (verify, roll back), logprobs
     finish(r)               append_tokens, and forks once a beam group's hypotheses are its sequences
     release(s)              stop -> PagedEngine, ContiguousEngine, speculative

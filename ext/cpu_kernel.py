@@ -1,23 +1,23 @@
-"""Decode attention, the sampler's draw and logprobs' scores through C kernels of our own, on a CPU (compile="kernel"). The core's
-decode attention on a CPU gathers each row's blocks and calls SDPA (below 16 rows), or runs gather_attend through
-torch.compile; either way a step's rows go through torch ops made for dense tensors. ext/decode_attention.c walks
-each row's block table itself: one row per thread at a time, every head of a slot read at once, scores, softmax
+"""Decode attention, the sampler's draw and logprobs' scores through C kernels of our own, on a CPU (compile="kernel").
+The core's decode attention on a CPU gathers each row's blocks and calls SDPA (below 16 rows), or runs gather_attend
+through torch.compile; either way a step's rows go through torch ops made for dense tensors. ext/decode_attention.c
+walks each row's block table itself: one row per thread at a time, every head of a slot read at once, scores, softmax
 and sums in float32 (bf16 values widened as they are read, or a bf16 pool's scores in bf16 pairs where the CPU has
 AVX512-BF16; float64 pools in float64), so nothing is gathered and no graph is dispatched
 (docs/vllm.md#decode-attention-in-c). The step's draw runs through ext/sample.c, every row in one call
 (docs/floor_and_sampling.md#the-whole-draw-in-c---compile-kernel-2026-11-28): greedy rows' argmax; a top-k row's
-candidates from ext/top_k.c (two passes over a row, no sort: 4x as fast as torch.topk at 64 x 50,304, k = 201),
-then the core's cut and draw on them; a row with no top-k scaled, weighed and drawn in id order, top-p alone
-cutting from a histogram of its weights instead of a sort of the row. Its tokens are the core's, but where a u
-falls within the rounding of the weights' exp of a boundary (its exp and torch's differ by an ulp in ~1% of
-values), or among tied top-k candidates (the lower id first, where torch's order among ties is its own).
+candidates from ext/top_k.c (two passes over a row, no sort: 4x as fast as torch.topk at 64 x 50,304, k = 201), then
+the core's cut and draw on them; a row with no top-k scaled, weighed and drawn in id order, top-p alone cutting from
+a histogram of its weights instead of a sort of the row. Its tokens are the core's, but where a u falls within the
+rounding of the weights' exp of a boundary (its exp and torch's differ by an ulp in ~1% of values), or among tied
+top-k candidates (the lower id first, where torch's order among ties is its own).
 
 The kernels are built at first use with the system's C compiler (cc, or $CC) into a cache folder, once per source,
 compiler, flags and CPU (they are compiled for the CPU they run on, -march=native), and loaded with ctypes after
-torch, so that their OpenMP threads are torch's (with gcc: its libgomp is the one torch loaded; clang would bring
-its own runtime). Prompt chunks keep SDPA; a float16 pool keeps the core's attention; a GPU is refused.
-Plugs into the paged engine at batch_class and sample. kernel_topk is top_k.c's selection on its own, which the
-tests hold to a stable sort."""
+torch, so that their OpenMP threads are torch's (with gcc: its libgomp is the one torch loaded; clang would bring its
+own runtime). Prompt chunks keep SDPA; a float16 pool keeps the core's attention; a GPU is refused. Plugs into the
+paged engine at batch_class and sample. kernel_topk is top_k.c's selection on its own, which the tests hold to a
+stable sort."""
 
 import ctypes
 import functools

@@ -32,7 +32,9 @@ typedef int32_t ints __attribute__((vector_size(64)));
 
 static inline floats splat(float x) { return (floats){0} + x; }
 
-static inline floats blend(ints mask, floats yes, floats no) { return (floats)((mask & (ints)yes) | (~mask & (ints)no)); }
+static inline floats blend(ints mask, floats yes, floats no) {
+    return (floats)((mask & (ints)yes) | (~mask & (ints)no));
+}
 
 typedef double doubles __attribute__((vector_size(64)));
 typedef int64_t longs __attribute__((vector_size(64)));
@@ -470,7 +472,8 @@ static void draw_row(int64_t r, struct scratch *s, const void *args) {
     const struct draw_args *a = args;
     const float *row = a->logits + r * a->V;
     const double *settings = a->settings + 5 * r;
-    float temperature = (float)settings[0], top_p = (float)settings[2], u = uniform((int64_t)settings[4], a->position[r]);
+    float temperature = (float)settings[0], top_p = (float)settings[2];
+    float u = uniform((int64_t)settings[4], a->position[r]);
     int64_t top_k = settings[1] < a->V ? (int64_t)settings[1] : 0; /* as SamplingParams.best: every id */
     if (temperature == 0)
         a->tokens[r] = argmax(row, a->V);
