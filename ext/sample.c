@@ -25,10 +25,19 @@ void top_k_row(const float *x, int64_t V, int64_t k, int64_t G, uint64_t *buf, i
 #define FLOOR -87.0f  /* the core clamps a cut-free row's scaled values here (sampling.sample) */
 #define BLOCK 512     /* the draw's CDF: block sums first, then one block in order */
 
-/* 16 floats, and their bits: the compiler's vectors, AVX-512 or two AVX registers, so that the weights' exp runs
-   16 at a time whatever the CPU, and a value's weight does not depend on where it sits in the row */
-typedef float floats __attribute__((vector_size(64)));
-typedef int32_t ints __attribute__((vector_size(64)));
+/* A vector of floats, and of their bits: the CPU's widest, 16 floats with AVX-512, 8 with AVX (gcc 12 turns a wider
+   vector's compares and selects into scalar code: 10x slower on an AVX2 EPYC). What it computes is the same for
+   any width: exp is lane by lane, and the one float32 sum (log_total) keeps 16 sums whatever the width. */
+#if defined(LANES) /* set by the build: a test of another width */
+#elif defined(__AVX512F__)
+#define LANES 16
+#elif defined(__AVX__)
+#define LANES 8
+#else
+#define LANES 4
+#endif
+typedef float floats __attribute__((vector_size(4 * LANES)));
+typedef int32_t ints __attribute__((vector_size(4 * LANES)));
 
 static inline floats splat(float x) { return (floats){0} + x; }
 
@@ -36,14 +45,28 @@ static inline floats blend(ints mask, floats yes, floats no) {
     return (floats)((mask & (ints)yes) | (~mask & (ints)no));
 }
 
-typedef double doubles __attribute__((vector_size(64)));
-typedef int64_t longs __attribute__((vector_size(64)));
+/* whether any lane of mask is set: its lanes OR-ed as pairs, half the steps of one at a time */
+static inline int any_of(ints mask) {
+    typedef int64_t pairs __attribute__((vector_size(4 * LANES)));
+    pairs p = (pairs)mask;
+    int64_t any = 0;
+    for (int j = 0; j < LANES / 2; j++)
+        any |= p[j];
+    return any != 0;
+}
 
-/* exp(x) of 8 values in float64: 2**n e**r, |r| <= ln(2) / 2, e**r by its Taylor series to r**9 (error < 1e-11) */
-static inline doubles exp8(doubles x) {
+/* half a vector's floats, and as many float64 and int32 */
+typedef float halves __attribute__((vector_size(2 * LANES)));
+typedef double doubles __attribute__((vector_size(4 * LANES)));
+typedef int32_t half_ints __attribute__((vector_size(2 * LANES)));
+typedef int64_t longs __attribute__((vector_size(4 * LANES)));
+
+/* exp(x) in float64: 2**n e**r, |r| <= ln(2) / 2, e**r by its Taylor series to r**9 (error < 1e-11). n passes
+   through int32, which AVX2 converts from and to float64 (int64 takes AVX-512). */
+static inline doubles exp_doubles(doubles x) {
     doubles fn = x * 1.4426950408889634 + 0.5;
-    longs n = __builtin_convertvector(fn, longs);
-    n += (longs)(__builtin_convertvector(n, doubles) > fn); /* floor */
+    half_ints n = __builtin_convertvector(fn, half_ints);
+    n += (half_ints)(__builtin_convertvector(__builtin_convertvector(n, doubles) > fn, half_ints)); /* floor */
     doubles nf = __builtin_convertvector(n, doubles);
     doubles r = x - nf * 0.6931471805599453 - nf * 2.3190468138462996e-17;
     doubles y = (doubles){0} + 1.0 / 362880;
@@ -51,29 +74,28 @@ static inline doubles exp8(doubles x) {
                                                1.0 / 6,     0.5,        1.0,        1.0};
     for (int i = 0; i < 9; i++)
         y = y * r + inverse_factorial[i];
-    return y * (doubles)((n + 1023) << 52); /* 2**n from its exponent bits */
+    return y * (doubles)((__builtin_convertvector(n, longs) + 1023) << 52); /* 2**n from its exponent bits */
 }
 
-/* exp(x) of 16 values x <= 0, in float64 rounded to float32: the correctly rounded exp, nearly always. torch's CPU
-   exp nearly always is too: the two differ by an ulp in ~1% of values (a float32 polynomial, Cephes', in ~10%, and
-   on one side more often than the other). 0 below -87.3, where torch gives denormals that no draw can tell from 0. */
-static inline floats exp16(floats x) {
-    typedef float half __attribute__((vector_size(32)));
+/* exp(x) of x <= 0, in float64 rounded to float32: the correctly rounded exp, nearly always. torch's CPU exp nearly
+   always is too: the two differ by an ulp in ~1% of values (a float32 polynomial, Cephes', in ~10%, and on one side
+   more often than the other). 0 below -87.3, where torch gives denormals that no draw can tell from 0. */
+static inline floats exp_vec(floats x) {
     ints below = x < splat(-87.3f);
     floats t = blend(below, splat(-87.3f), x), e;
-    half lo, hi;
+    halves lo, hi;
     memcpy(&lo, &t, sizeof lo);
-    memcpy(&hi, (float *)&t + 8, sizeof hi);
-    lo = __builtin_convertvector(exp8(__builtin_convertvector(lo, doubles)), half);
-    hi = __builtin_convertvector(exp8(__builtin_convertvector(hi, doubles)), half);
+    memcpy(&hi, (float *)&t + LANES / 2, sizeof hi);
+    lo = __builtin_convertvector(exp_doubles(__builtin_convertvector(lo, doubles)), halves);
+    hi = __builtin_convertvector(exp_doubles(__builtin_convertvector(hi, doubles)), halves);
     memcpy(&e, &lo, sizeof lo);
-    memcpy((float *)&e + 8, &hi, sizeof hi);
+    memcpy((float *)&e + LANES / 2, &hi, sizeof hi);
     return blend(below, splat(0.0f), e);
 }
 
-/* exp(x) of 16 values x <= 0 in float32 (Cephes' expf): within an ulp or two of exp16's, twice as fast, for a
-   logsumexp, where no draw compares its rounding; 0 below -87.3 */
-static inline floats exp16_float(floats x) {
+/* exp(x) of x <= 0 in float32 (Cephes' expf): within an ulp or two of exp_vec's, twice as fast, for a logsumexp,
+   where no draw compares its rounding; 0 below -87.3 */
+static inline floats exp_vec_float(floats x) {
     ints below = x < splat(-87.3f);
     floats t = blend(below, splat(-87.3f), x);
     floats fx = t * 1.44269504088896341f + 0.5f;
@@ -87,10 +109,10 @@ static inline floats exp16_float(floats x) {
     return blend(below, splat(0.0f), y * (floats)((n + 127) << 23)); /* 2**n from its exponent bits */
 }
 
-/* x[i..i+16) as a vector, padded with pad past n */
-static inline floats load16(const float *x, int64_t i, int64_t n, float pad) {
-    typedef float unaligned __attribute__((vector_size(64), aligned(4)));
-    if (i + 16 <= n)
+/* x[i..i+LANES) as a vector, padded with pad past n */
+static inline floats load_vec(const float *x, int64_t i, int64_t n, float pad) {
+    typedef float unaligned __attribute__((vector_size(4 * LANES), aligned(4)));
+    if (i + LANES <= n)
         return *(const unaligned *)(x + i);
     floats v = splat(pad);
     memcpy(&v, x + i, sizeof(float) * (n - i));
@@ -98,37 +120,38 @@ static inline floats load16(const float *x, int64_t i, int64_t n, float pad) {
 }
 
 /* v's first m values into x: a whole vector's store, or a tail's */
-static inline void store16(void *x, floats v, int64_t m) {
-    if (m == 16)
+static inline void store_vec(void *x, floats v, int64_t m) {
+    if (m == LANES)
         memcpy(x, &v, sizeof v);
     else
         memcpy(x, &v, sizeof(float) * m);
 }
 
-/* x[i] = (row[i] - best) / temperature, at least floor (the core's clamp: NaN stays), and w[i] = exp(x[i]), 16 at
-   a time */
+/* x[i] = (row[i] - best) / temperature, at least floor (the core's clamp: NaN stays), and w[i] = exp(x[i]), a
+   vector at a time */
 static void scale_row(const float *row, int64_t n, float best, float temperature, float floor, float *x, float *w) {
-    for (int64_t i = 0; i < n; i += 16) {
-        floats v = load16(row, i, n, best);
+    for (int64_t i = 0; i < n; i += LANES) {
+        int64_t m = n - i < LANES ? n - i : LANES;
+        floats v = load_vec(row, i, n, best);
         v = (v - best) / temperature;
         v = blend(v < splat(floor), splat(floor), v);
-        store16(x + i, v, n - i < 16 ? n - i : 16);
-        store16(w + i, exp16(v), n - i < 16 ? n - i : 16);
+        store_vec(x + i, v, m);
+        store_vec(w + i, exp_vec(v), m);
     }
 }
 
-/* one value's weight: exp16's, so that it equals the same value's weight in a row */
-static inline float exp_le0(float x) { return exp16(splat(x))[0]; }
+/* one value's weight: exp_vec's, so that it equals the same value's weight in a row */
+static inline float exp_le0(float x) { return exp_vec(splat(x))[0]; }
 
 static inline float max_of(float a, float b) { return a > b || a != a ? a : b; } /* torch.maximum: NaN wins */
 
-/* A row's range, 16 at a time: -> its largest value, NaN ignored; *nan: whether any is NaN; *least: its least;
+/* A row's range, a vector at a time: -> its largest value, NaN ignored; *nan: whether any is NaN; *least: its least;
    *least_finite: its least above -inf (the padding ids' -inf would stretch top-p's histogram to FLOOR) */
 static float row_range(const float *x, int64_t n, int *nan, float *least, float *least_finite) {
     floats best = splat(x[0]), low = splat(x[0]), low_finite = splat(__builtin_inff());
     ints any_nan = {0};
-    for (int64_t i = 0; i < n; i += 16) {
-        floats v = load16(x, i, n, x[0]);
+    for (int64_t i = 0; i < n; i += LANES) {
+        floats v = load_vec(x, i, n, x[0]);
         best = blend(v > best, v, best);
         low = blend(v < low, v, low);
         low_finite = blend((v < low_finite) & (v > splat(-__builtin_inff())), v, low_finite);
@@ -136,7 +159,7 @@ static float row_range(const float *x, int64_t n, int *nan, float *least, float 
     }
     float largest = best[0];
     *nan = 0, *least = low[0], *least_finite = low_finite[0];
-    for (int j = 0; j < 16; j++) {
+    for (int j = 0; j < LANES; j++) {
         largest = best[j] > largest ? best[j] : largest;
         *least = low[j] < *least ? low[j] : *least;
         *least_finite = low_finite[j] < *least_finite ? low_finite[j] : *least_finite;
@@ -146,29 +169,29 @@ static float row_range(const float *x, int64_t n, int *nan, float *least, float 
 }
 
 /* The first id of the largest value (NaN above every number), as numpy's argmax, in one pass: each lane keeps its
-   largest and the first run of 16 it was in. */
+   largest and the first vector's run it was in. */
 static int64_t argmax(const float *x, int64_t V) {
     floats best = splat(x[0]);
     ints run = {0}, any_nan = {0};
-    for (int64_t i = 0; i < V; i += 16) {
-        floats v = load16(x, i, V, x[0]);
+    for (int64_t i = 0; i < V; i += LANES) {
+        floats v = load_vec(x, i, V, x[0]);
         ints above = v > best;
         best = blend(above, v, best);
-        run = (ints)blend(above, (floats)((ints){0} + (int32_t)(i / 16)), (floats)run);
+        run = (ints)blend(above, (floats)((ints){0} + (int32_t)(i / LANES)), (floats)run);
         any_nan |= v != v;
     }
     int64_t first = 0;
-    for (int j = 0; j < 16; j++) {
+    for (int j = 0; j < LANES; j++) {
         if (any_nan[j]) { /* numpy's argmax: the first NaN */
             for (int64_t i = 0; i < V; i++)
                 if (x[i] != x[i])
                     return i;
         }
-        int64_t id = 16 * (int64_t)run[j] + j, best_id = 16 * (int64_t)run[first] + first;
+        int64_t id = LANES * (int64_t)run[j] + j, best_id = LANES * (int64_t)run[first] + first;
         if (best[j] > best[first] || (best[j] == best[first] && id < best_id))
             first = j;
     }
-    return 16 * (int64_t)run[first] + first;
+    return LANES * (int64_t)run[first] + first;
 }
 
 /* the kept weights of x[start..end) (x[i] >= kept), summed in float64 in 8 lanes, so that the sum vectorizes */
@@ -332,17 +355,17 @@ static void scale_into_buckets(const float *row, int64_t n, float best, float te
     float scale = (BUCKETS - 1) / -low;
     double *mass = s->bucket_mass;
     memset(mass, 0, sizeof(double) * BUCKETS);
-    for (int64_t i = 0; i < n; i += 16) {
-        int64_t m = n - i < 16 ? n - i : 16;
-        floats v = load16(row, i, n, best);
+    for (int64_t i = 0; i < n; i += LANES) {
+        int64_t m = n - i < LANES ? n - i : LANES;
+        floats v = load_vec(row, i, n, best);
         v = (v - best) / temperature;
         v = blend(v < splat(FLOOR), splat(FLOOR), v);
-        floats e = exp16(v);
+        floats e = exp_vec(v);
         ints b = __builtin_convertvector(-v * scale, ints);
         b = (ints)blend((b >= 0) & (b < BUCKETS - 1) & (v > splat(FLOOR)), (floats)b, (floats)(b * 0 + BUCKETS - 1));
-        store16(s->x + i, v, m);
-        store16(s->w + i, e, m);
-        store16(s->bucket + i, (floats)b, m);
+        store_vec(s->x + i, v, m);
+        store_vec(s->w + i, e, m);
+        store_vec(s->bucket + i, (floats)b, m);
     }
     for (int64_t i = 0; i < n; i++) /* from memory: a lane of a vector register is a trip through the stack */
         mass[s->bucket[i]] += s->w[i];
@@ -372,17 +395,14 @@ static float cut_top_p(const float *x, int64_t V, float top_p, float least, floa
     if (hi < BUCKETS - 1)
         hi++; /* the nonempty bucket after: the first past the target may be its largest */
     int64_t n = 0;
-    for (int64_t i = 0; i < V; i += 16) { /* 16 buckets tested at once: few runs hold one of the window's */
-        int64_t m = V - i < 16 ? V - i : 16;
+    for (int64_t i = 0; i < V; i += LANES) { /* a vector's buckets tested at once: few hold one of the window's */
+        int64_t m = V - i < LANES ? V - i : LANES;
         ints b = (ints){0} + lo;
-        if (m == 16)
+        if (m == LANES)
             memcpy(&b, s->bucket + i, sizeof b);
         else
             memcpy(&b, s->bucket + i, sizeof(int32_t) * m);
-        ints in = (b >= lo) & (b <= hi);
-        typedef int64_t pairs __attribute__((vector_size(64)));
-        pairs p = (pairs)in; /* the 16 tests as 8 pairs: OR-ed in 7 steps, where 16 lanes took 15 (25 against 35 us) */
-        int any = ((p[0] | p[1]) | (p[2] | p[3]) | (p[4] | p[5]) | (p[6] | p[7])) != 0;
+        int any = any_of((b >= lo) & (b <= hi));
         for (int64_t j = i; any && j < i + m; j++) {
             s->window[n] = x[j];
             n += s->bucket[j] >= lo && s->bucket[j] <= hi;
@@ -503,24 +523,30 @@ struct score_args {
     float *top_logprobs;
 };
 
-/* The row's logsumexp from float32 weights (exp16_float), runs of 1,024 summed in float32 and the runs in float64,
-   and how many of its values are at least target -> log(sum of exp(x - best)) + best */
+#define SUMS (16 / LANES) /* log_total's vectors of float32 sums: 16 sums, whatever the width */
+
+/* The row's logsumexp from float32 weights (exp_vec_float), runs of 1,024 summed in float32 (16 sums, id i's in
+   sum i % 16) and the runs in float64, and how many of its values are at least target
+   -> log(sum of exp(x - best)) + best */
 static float log_total(const float *row, int64_t V, float best, float target, int32_t *at_least) {
     double total = 0;
-    floats sum = {0};
-    ints counted = {0}, lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    for (int64_t i = 0; i < V; i += 16) {
-        floats v = load16(row, i, V, -__builtin_inff());
-        sum += exp16_float(v - best); /* the padding's -inf weighs 0 */
+    floats sum[SUMS] = {0};
+    ints counted = {0}, lane;
+    for (int j = 0; j < LANES; j++)
+        lane[j] = j;
+    for (int64_t i = 0; i < V; i += LANES) {
+        floats v = load_vec(row, i, V, -__builtin_inff());
+        sum[i / LANES % SUMS] += exp_vec_float(v - best); /* the padding's -inf weighs 0 */
         counted -= (v >= splat(target)) & (lane < (int32_t)(V - i)); /* -1 where counted */
-        if ((i / 16) % 64 == 63 || i + 16 >= V) {
-            for (int j = 0; j < 16; j++)
-                total += sum[j];
-            sum = splat(0.0f);
+        if ((i + LANES) % 1024 == 0 || i + LANES >= V) {
+            for (int c = 0; c < SUMS; c++)
+                for (int j = 0; j < LANES; j++)
+                    total += sum[c][j];
+            memset(sum, 0, sizeof sum);
         }
     }
     *at_least = 0;
-    for (int j = 0; j < 16; j++)
+    for (int j = 0; j < LANES; j++)
         *at_least += counted[j];
     return (float)log(total) + best;
 }
