@@ -417,6 +417,24 @@ def test_the_kernels_scores_equal_logprobs_own_to_float32s_rounding(width):
         kernel_scores(logits[:2, :5], targets[:2] % 5, 6)
 
 
+@pytest.mark.parametrize("lanes", [4, 16])
+def test_the_kernels_draw_and_scores_are_the_same_bits_at_every_vector_width(lanes, monkeypatch, fresh_cache):
+    """ext/sample.c's vectors are the CPU's widest (16 floats with AVX-512, 8 with AVX): a build at another width
+    draws the same tokens and gives the same scores, bit for bit, on rows whose length is no multiple of 16 (on an
+    AVX2 EPYC, gcc 12 compiled 16-float vectors to scalar code, 10x slower: so the width follows the CPU)."""
+    R, V = 2 * len(SETTINGS), 50257
+    g = torch.Generator().manual_seed(lanes)
+    logits = torch.randn(R, V, generator=g) * 2
+    position = torch.randint(0, 1000, (R,), generator=g)
+    rows = torch.cat([settings_rows(2, *c, seed=i) for i, c in enumerate(SETTINGS)])
+    targets = torch.randint(0, V, (R,), generator=g)
+    native = kernel_sample(logits, rows, position), kernel_scores(logits, targets, 5)
+    monkeypatch.setitem(cpu_kernel.BUILD_FLAGS, "float", [f"-DLANES={lanes}"])
+    cpu_kernel.load_kernel.cache_clear()
+    assert torch.equal(kernel_sample(logits, rows, position), native[0])
+    assert all(np.array_equal(a, b) for a, b in zip(kernel_scores(logits, targets, 5), native[1]))
+
+
 def test_kernel_attend_refuses_what_it_cannot_read():
     q, k_pool, v_pool, table, kv_len = random_rows(3, 2, 32, 4, num_blocks=20, dtype=torch.float32)
     cases = [
