@@ -55,26 +55,26 @@ static inline int any_of(ints mask) {
     return any != 0;
 }
 
-/* half a vector's floats, and as many float64 and int32 */
+/* half a vector's floats, and as many float64 and their bits */
 typedef float halves __attribute__((vector_size(2 * LANES)));
 typedef double doubles __attribute__((vector_size(4 * LANES)));
-typedef int32_t half_ints __attribute__((vector_size(2 * LANES)));
 typedef int64_t longs __attribute__((vector_size(4 * LANES)));
 
-/* exp(x) in float64: 2**n e**r, |r| <= ln(2) / 2, e**r by its Taylor series to r**9 (error < 1e-11). n passes
-   through int32, which AVX2 converts from and to float64 (int64 takes AVX-512). */
+/* exp(x) in float64: 2**n e**r, n the integer nearest x / ln(2), |r| <= ln(2) / 2, e**r by a polynomial of degree
+   8 (Chebyshev's interpolant: relative error ~1e-12). n is rounded by adding 1.5 * 2**52, which leaves it in the
+   low bits of the sum, where 2**n's exponent bits are made from it: no conversion to or from an integer. */
 static inline doubles exp_doubles(doubles x) {
-    doubles fn = x * 1.4426950408889634 + 0.5;
-    half_ints n = __builtin_convertvector(fn, half_ints);
-    n += (half_ints)(__builtin_convertvector(__builtin_convertvector(n, doubles) > fn, half_ints)); /* floor */
-    doubles nf = __builtin_convertvector(n, doubles);
-    doubles r = x - nf * 0.6931471805599453 - nf * 2.3190468138462996e-17;
-    doubles y = (doubles){0} + 1.0 / 362880;
-    static const double inverse_factorial[] = {1.0 / 40320, 1.0 / 5040, 1.0 / 720, 1.0 / 120, 1.0 / 24,
-                                               1.0 / 6,     0.5,        1.0,        1.0};
-    for (int i = 0; i < 9; i++)
-        y = y * r + inverse_factorial[i];
-    return y * (doubles)((__builtin_convertvector(n, longs) + 1023) << 52); /* 2**n from its exponent bits */
+    const double round = 0x1.8p52;
+    doubles shifted = x * 0x1.71547652b82fep0 + round;
+    doubles nf = shifted - round;
+    doubles r = x - nf * 0x1.62e42fefa39efp-1 - nf * 0x1.abc9e3b39803fp-56;
+    static const double coefficient[] = {0x1.a1aa80fc243f7p-13, 0x1.6c164ddf3675bp-10, 0x1.111080ac9d62dp-7,
+                                         0x1.5555557432adbp-5,  0x1.555555a26f360p-3,  0x1.fffffffff712ap-2,
+                                         0x1.ffffffffd38acp-1,  0x1.0000000000003p+0};
+    doubles y = (doubles){0} + 0x1.a15a6a42fed17p-16;
+    for (int i = 0; i < 8; i++)
+        y = y * r + coefficient[i];
+    return y * (doubles)(((longs)shifted + 1023) << 52); /* 2**n */
 }
 
 /* exp(x) of x <= 0, in float64 rounded to float32: the correctly rounded exp, nearly always. torch's CPU exp nearly
