@@ -36,6 +36,9 @@ void top_k_row(const float *x, int64_t V, int64_t k, int64_t G, uint64_t *buf, i
 #else
 #define LANES 4
 #endif
+#if LANES != 4 && LANES != 8 && LANES != 16
+#error "LANES must be 4, 8 or 16"
+#endif
 typedef float floats __attribute__((vector_size(4 * LANES)));
 typedef int32_t ints __attribute__((vector_size(4 * LANES)));
 
@@ -94,8 +97,8 @@ static inline floats exp_vec(floats x) {
 }
 
 /* exp(x) of x <= 0 in float32 (Cephes' expf's polynomial, n rounded as exp_doubles rounds it): within an ulp or
-   two of exp_vec's, four times as fast, for a logsumexp, where no draw compares its rounding. x below -87.3 (-inf
-   too) weighs 2**-126 e**-0.3, ~1e-38: nothing beside the row's best, whose weight is 1. */
+   two of exp_vec's, three times as fast, for a logsumexp, where no draw compares its rounding. x below -87.3 (-inf
+   too) weighs e**-87.3, ~1.2e-38: nothing beside the row's best, whose weight is 1. */
 static inline floats exp_vec_float(floats x) {
     const float round = 0x1.8p23f;
     floats t = blend(x < splat(-87.3f), splat(-87.3f), x); /* NaN stays */
@@ -535,8 +538,12 @@ static float log_total(const float *row, int64_t V, float best, float target, in
         lane[j] = j;
     for (int64_t i = 0; i < V; i += LANES) {
         floats v = load_vec(row, i, V, -__builtin_inff());
-        sum[i / LANES % SUMS] += exp_vec_float(v - best); /* the padding's -inf weighs ~0 */
-        counted -= (v >= splat(target)) & (lane < (int32_t)(V - i)); /* -1 where counted */
+        ints in_row = lane < (int32_t)(V - i);
+        floats e = exp_vec_float(v - best);
+        if (i + LANES > V) /* the padding weighs 0, so that every width sums the same */
+            e = blend(in_row, e, splat(0.0f));
+        sum[i / LANES % SUMS] += e;
+        counted -= (v >= splat(target)) & in_row; /* -1 where counted */
         if ((i + LANES) % 1024 == 0 || i + LANES >= V) {
             for (int c = 0; c < SUMS; c++)
                 for (int j = 0; j < LANES; j++)
