@@ -65,7 +65,8 @@ typedef int64_t longs __attribute__((vector_size(4 * LANES)));
 
 /* exp(x) in float64: 2**n e**r, n the integer nearest x / ln(2), |r| <= ln(2) / 2, e**r by a polynomial of degree
    8 (Chebyshev's interpolant: relative error ~1e-12). n is rounded by adding 1.5 * 2**52, which leaves it in the
-   low bits of the sum, where 2**n's exponent bits are made from it: no conversion to or from an integer. */
+   low bits of the sum, where 2**n's exponent bits are made from it: no conversion to or from an integer (and no
+   -ffast-math, which would fold the addition away: FLAGS in cpu_kernel.py). */
 static inline doubles exp_doubles(doubles x) {
     const double round = 0x1.8p52;
     doubles shifted = x * 0x1.71547652b82fep0 + round;
