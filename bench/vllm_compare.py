@@ -195,6 +195,11 @@ def setups(vllm_python, names):
     out = {"vllm plain": bind}
     if iomp and tcmalloc:
         out["vllm preloaded"] = dict(bind, LD_PRELOAD=f"{tcmalloc[0]}:{iomp[0]}")
+    elif "preloaded" in names:
+        missing = " and ".join(
+            m for m, found in [("libtcmalloc-minimal4", tcmalloc), ("libiomp5.so", iomp)] if not found
+        )
+        sys.exit(f"vllm_compare: the preloaded setup needs {missing} (see this file's first lines), or --setups plain")
     return {name: env for name, env in out.items() if name.split()[1] in names}
 
 
