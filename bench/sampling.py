@@ -1,7 +1,7 @@
 """Sampled decode against greedy at batch 64 with GPT-2's vocabulary, each sampling setting, and what sample() costs.
 
     python bench/sampling.py [--repeats 3] [--shapes tiny,gpt2] [--num-requests 64] [--new-tokens 128]
-                             [--compile auto|kernel]
+                             [--compile auto|kernel] [--logit-scale 1]
 
 Each shape is a random-weight GPT with GPT-2's padded 50,304-id vocabulary (50,257 real ids): "tiny" is the
 shipped model's 4 layers x 128, where the lm_head and sampling are most of a decode step; "gpt2" is GPT-2
@@ -11,11 +11,13 @@ alternated in one process after a warm-up of each: greedy; temperature 0.8 with 
 top-p 0.9 alone; min-p 0.05 alone; top-k 200 with logprobs=5 on every row (the engine composed with
 ext/logprobs.py, whose top ids come from an exact two-level selection, two_level_topk). With --compile kernel
 every engine runs ext/cpu_kernel.py's C kernels: decode attention, every row's draw and logprobs' scores
-through ext/sample.c (docs/floor_and_sampling.md). Ratios are
-taken per repeat; sample() is timed around the engine's own call, per step, median over the run. Random weights
-give nearly flat logits, so top-p 0.9 keeps most of the vocabulary here (the share is printed): the worst case
-for a sort. With --num-requests below 16 (nothing compiles), --new-tokens 16 and --repeats 1, a check that the
-script runs: no figures.
+through ext/sample.c (docs/floor_and_sampling.md). Ratios are taken per repeat; sample() is timed around the
+engine's own call, per step, median over the run. Random weights give nearly flat logits, so top-p 0.9 keeps most of
+the vocabulary here: the worst case for a sort. --logit-scale F multiplies the final norm's weight by F, and so
+every logit row's spread: F = 14 gives the tiny shape's rows about 3.5 nats of entropy at temperature 0.8 (a trained
+GPT-2 small loses ~3.1 nats a token, nanoGPT's README says), where top-p keeps ~100 ids and min-p a few (the median
+kept, and the entropy, are printed). With --num-requests below 16 (nothing compiles), --new-tokens 16 and --repeats
+1, a check that the script runs: no figures.
 """
 
 import argparse
@@ -77,13 +79,15 @@ def run(model, prompts, news, settings, logprobs, compile):
     )
 
 
-def top_p_share(model, prompts, top_p=0.9, temperature=0.8):
-    """The median share of the vocabulary that top-p keeps at the prompts' last tokens."""
+def kept_ids(model, prompts, top_p=0.9, min_p=0.05, temperature=0.8):
+    """At the prompts' last tokens, medians: the ids that top-p and min-p keep, and the entropy (nats)."""
     with torch.no_grad():
         logits = torch.stack([model(torch.tensor([p]))[0][0, -1, :50257] for p in prompts]) / temperature
     p = logits.softmax(-1).sort(-1, descending=True).values
-    kept = ((p.cumsum(-1) - p) < top_p).sum(-1).float()
-    return float(kept.median()) / 50257
+    top_p_kept = ((p.cumsum(-1) - p) < top_p).sum(-1).float().median()
+    min_p_kept = (p >= min_p * p[:, :1]).sum(-1).float().median()
+    entropy = -(p * p.clamp_min(1e-30).log()).sum(-1).median()
+    return int(top_p_kept), int(min_p_kept), float(entropy)
 
 
 def fmt(xs, unit=""):
@@ -98,6 +102,7 @@ def parser():
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--compile", default="auto", choices=["auto", "kernel"], help="every engine's compile mode")
+    p.add_argument("--logit-scale", type=float, default=1.0, help="the final norm's weight times this: peaked rows")
     return p
 
 
@@ -116,6 +121,8 @@ def main():
         n_layer, n_head, n_embd = SHAPES[shape]
         torch.manual_seed(0)
         model = GPT(GPTConfig(block_size=1024, vocab_size=50304, n_layer=n_layer, n_head=n_head, n_embd=n_embd)).eval()
+        with torch.no_grad():
+            model.transformer.ln_f.weight.mul_(args.logit_scale)
         prepare(model)
         for how in RUNS.values():  # warm-up: the compiled decode attention, the allocator
             run(model, [p[:8] for p in prompts], [8] * len(prompts), *how, args.compile)
@@ -124,10 +131,11 @@ def main():
             for name, how in RUNS.items():
                 results[name].append(run(model, prompts, news, *how, args.compile))
         rate, ms = ({n: [x[i] for x in results[n]] for n in RUNS} for i in (0, 1))
+        top_p_kept, min_p_kept, entropy = kept_ids(model, prompts)
         print(
             f"-- {shape} ({n_layer} x {n_embd}, vocabulary 50,304): {len(prompts)} prompts of 16, {news[0]} new, "
-            f"all at once; top-p 0.9 keeps {top_p_share(model, prompts):.0%} of the vocabulary (median); "
-            f"compile {args.compile!r}"
+            f"all at once; logit scale {args.logit_scale:g}: entropy {entropy:.2f} nats, top-p 0.9 keeps {top_p_kept:,} "
+            f"ids, min-p 0.05 {min_p_kept:,} (medians); compile {args.compile!r}"
         )
         print(f"{'':10} {'tok/s':>30} {'/ greedy':>18} {'/ top-k':>18} {'sample() ms/step':>22}")
         for name in RUNS:

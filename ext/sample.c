@@ -4,7 +4,8 @@
    What the core does with a dozen torch ops over (rows, candidates) tensors and a sort of whole rows (top-p
    alone), this does a row at a time in a thread's cache, with no sort of a row: a top-k row's candidates come from
    top_k.c; top-p alone finds its cut from a histogram of the row's weights, and sorts (by radix) only the bucket
-   the cut falls in and its nonempty neighbours.
+   the cut falls in and its nonempty neighbours; a row without either weighs only the runs of 64 ids that hold one
+   its min-p keeps (weigh_kept).
    The values it compares are the core's, bit for bit (the same float32 subtractions and divisions, sums in
    float64 stored as float32, as torch's CPU cumsum does); the weights are this file's exp, correctly rounded
    nearly always (torch's differs from it by an ulp in ~1% of values), and the long sums run in another order: a
@@ -130,16 +131,25 @@ static inline void store_vec(void *x, floats v, int64_t m) {
         memcpy(x, &v, sizeof(float) * m);
 }
 
-/* x[i] = (row[i] - best) / temperature, at least floor (the core's clamp: NaN stays), and w[i] = exp(x[i]), a
-   vector at a time */
-static void scale_row(const float *row, int64_t n, float best, float temperature, float floor, float *x, float *w) {
+/* x[i] = (row[i] - best) / temperature, at least floor (the core's clamp: NaN stays), a vector at a time */
+static void scale_row(const float *row, int64_t n, float best, float temperature, float floor, float *x) {
     for (int64_t i = 0; i < n; i += LANES) {
-        int64_t m = n - i < LANES ? n - i : LANES;
         floats v = load_vec(row, i, n, best);
         v = (v - best) / temperature;
-        v = blend(v < splat(floor), splat(floor), v);
-        store_vec(x + i, v, m);
-        store_vec(w + i, exp_vec(v), m);
+        store_vec(x + i, blend(v < splat(floor), splat(floor), v), n - i < LANES ? n - i : LANES);
+    }
+}
+
+/* w[i] = exp(x[i]) where the draw reads it: a run of 64 values with none at least kept takes no exp (its w is left
+   as it was). A peaked row's min-p keeps a few ids: most runs are skipped. */
+static void weigh_kept(const float *x, int64_t n, float kept, float *w) {
+    for (int64_t run = 0; run < n; run += 64) {
+        int64_t end = run + 64 < n ? run + 64 : n;
+        ints any_kept = {0};
+        for (int64_t i = run; i < end; i += LANES)
+            any_kept |= load_vec(x, i, end, kept) >= splat(kept);
+        for (int64_t i = run; any_of(any_kept) && i < end; i += LANES)
+            store_vec(w + i, exp_vec(load_vec(x, i, end, 0)), end - i < LANES ? end - i : LANES);
     }
 }
 
@@ -318,7 +328,8 @@ static int64_t draw_top_k(const float *row, int64_t V, int64_t k, float temperat
     for (;;) {
         int64_t G = groups_for(K, V);
         top_k_row(row, V, K, G, s->keys, 2 * K + 1024, s->group_max, s->values, s->ids);
-        scale_row(s->values, K, s->values[0], temperature, -__builtin_inff(), s->x, s->w);
+        scale_row(s->values, K, s->values[0], temperature, -__builtin_inff(), s->x);
+        weigh_kept(s->x, K, -__builtin_inff(), s->w);
         if (K < V && s->x[K - 1] >= s->x[k - 1]) {
             K = 2 * (K - 1) + 1 < V ? 2 * (K - 1) + 1 : V;
             continue;
@@ -440,7 +451,11 @@ static int64_t draw_uncut(const float *row, int64_t V, float temperature, float 
         scale_into_buckets(row, V, best, temperature, low, s);
         kept = cut_top_p(s->x, V, top_p, least, smallest, s);
     } else {
-        scale_row(row, V, best, temperature, FLOOR, s->x, s->w);
+        for (int64_t start = 0; start < V; start += 2048) { /* weighed while the values are in the L1 cache */
+            int64_t n = start + 2048 < V ? 2048 : V - start;
+            scale_row(row + start, n, best, temperature, FLOOR, s->x + start);
+            weigh_kept(s->x + start, n, least, s->w + start);
+        }
     }
     block_sums(s->x, s->w, V, kept, s->block_sum);
     return invert_cdf(s->x, s->w, V, kept, u, wide, s->block_sum);

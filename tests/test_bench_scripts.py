@@ -37,7 +37,8 @@ RUNS = {
     "hf_compare.py": (["--repeats", "1", "--num-prompts", "2", "--rows", "equal", "--ckpt", "{tmp}/gpt2.pt"], "yes"),
     "host_step.py": (["--repeats", "1", "--num-requests", "8"], "host side a step"),
     "sampling.py": (
-        ["--repeats", "1", "--shapes", "tiny", "--num-requests", "4", "--new-tokens", "8", "--compile", "kernel"],
+        ["--repeats", "1", "--shapes", "tiny", "--num-requests", "4", "--new-tokens", "8", "--compile", "kernel"]
+        + ["--logit-scale", "14"],
         "logprobs: the same sampled outputs as top-k's: 4/4",
     ),
     "profile_compare.py": (
