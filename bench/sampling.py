@@ -14,8 +14,8 @@ every engine runs ext/cpu_kernel.py's C kernels: decode attention, every row's d
 through ext/sample.c (docs/floor_and_sampling.md). Ratios are taken per repeat; sample() is timed around the
 engine's own call, per step, median over the run. Random weights give nearly flat logits, so top-p 0.9 keeps most of
 the vocabulary here: the worst case for a sort. --logit-scale F multiplies the final norm's weight by F, and so
-every logit row's spread: F = 14 gives the tiny shape's rows about 3.5 nats of entropy at temperature 0.8 (a trained
-GPT-2 small loses ~3.1 nats a token, nanoGPT's README says), where top-p keeps ~100 ids and min-p a few (the median
+every logit row's spread: F = 14 gives the tiny shape's rows about 3 nats of entropy at temperature 0.8 (a trained
+GPT-2 small loses ~3.1 nats a token, nanoGPT's README says), where top-p keeps ~80 ids and min-p a few (the median
 kept, and the entropy, are printed). With --num-requests below 16 (nothing compiles), --new-tokens 16 and --repeats
 1, a check that the script runs: no figures.
 """
