@@ -5,7 +5,7 @@
    alone), this does a row at a time in a thread's cache, with no sort of a row: a top-k row's candidates come from
    top_k.c; top-p alone finds its cut from a histogram of the row's weights, and sorts (by radix) only the bucket
    the cut falls in and its nonempty neighbours; a row without either weighs only the runs of 64 ids that hold one
-   its min-p keeps (weigh_kept).
+   that its min-p keeps (weigh_kept).
    The values it compares are the core's, bit for bit (the same float32 subtractions and divisions, sums in
    float64 stored as float32, as torch's CPU cumsum does); the weights are this file's exp, correctly rounded
    nearly always (torch's differs from it by an ulp in ~1% of values), and the long sums run in another order: a
@@ -140,14 +140,15 @@ static void scale_row(const float *row, int64_t n, float best, float temperature
     }
 }
 
-/* w[i] = exp(x[i]) where the draw reads it: a run of 64 values with none at least kept takes no exp (its w is left
-   as it was). A peaked row's min-p keeps a few ids: most runs are skipped. */
+/* w[i] = exp(x[i]) where the draw reads it: a run of 64 values with none at least kept (NaN never is) takes no exp,
+   and its w is left as it was: every reader of w reads w[i] only where x[i] >= kept. A peaked row's min-p keeps a
+   few ids: most runs are skipped. (A top-k row's kept is -inf: only runs of NaN are skipped.) */
 static void weigh_kept(const float *x, int64_t n, float kept, float *w) {
     for (int64_t run = 0; run < n; run += 64) {
         int64_t end = run + 64 < n ? run + 64 : n;
         ints any_kept = {0};
-        for (int64_t i = run; i < end; i += LANES)
-            any_kept |= load_vec(x, i, end, kept) >= splat(kept);
+        for (int64_t i = run; i < end; i += LANES) /* padded with NaN, which no kept is */
+            any_kept |= load_vec(x, i, end, __builtin_nanf("")) >= splat(kept);
         for (int64_t i = run; any_of(any_kept) && i < end; i += LANES)
             store_vec(w + i, exp_vec(load_vec(x, i, end, 0)), end - i < LANES ? end - i : LANES);
     }
@@ -362,8 +363,9 @@ static void sort_descending(float *x, int64_t n, uint32_t *tmp) {
         key[i] = key[i] & 0x80000000u ? key[i] : ~key[i] & 0x7FFFFFFFu;
 }
 
-/* scale_row's x and w for a top-p row, and in the same pass each value's bucket (the histogram's: [low, 0] cut
-   into BUCKETS - 1, the best first; values at FLOOR and NaN in the last) and its weight summed into mass */
+/* scale_row's x, and every value's weight w, for a top-p row, and in the same pass each value's bucket (the
+   histogram's: [low, 0] cut into BUCKETS - 1, the best first; values at FLOOR and NaN in the last) and its weight
+   summed into mass */
 static void scale_into_buckets(const float *row, int64_t n, float best, float temperature, float low,
                                struct scratch *s) {
     float scale = (BUCKETS - 1) / -low;

@@ -397,6 +397,25 @@ def test_the_kernels_draw_survives_nan_and_infinite_rows():
     assert tokens[0] == 17  # greedy: numpy's argmax, the first NaN
 
 
+def test_a_draw_reads_no_weight_it_skipped():
+    """A row without top-k or top-p weighs only the runs of 64 ids that hold one its min-p keeps, and leaves the
+    other weights in its thread's scratch as the row before left them. Rows of NaN drawn through top-p first fill
+    every weight with NaN; peaked rows after them, at a vocabulary no multiple of 64, draw the core's tokens."""
+    V, threads = 50_037, torch.get_num_threads()
+    g = torch.Generator().manual_seed(7)
+    nan_rows = torch.full((2, V), float("nan"))
+    logits = torch.randn(16, V, generator=g) * 4  # min-p 0.05 keeps a handful of ids
+    position = torch.randint(0, 1000, (16,), generator=g)
+    torch.set_num_threads(1)  # one thread: every row reads the scratch the NaN rows filled
+    try:
+        for setting in [(1.0, 0, 1.0, 0.05), (0.7, 0, 1.0, 0.3), (1.0, 0, 1.0, 0.0), (1.0, 50, 1.0, 0.1)]:
+            kernel_sample(nan_rows, settings_rows(2, 1.0, 0, 0.9, 0.0), torch.arange(2))
+            rows = settings_rows(16, *setting, seed=11)
+            assert torch.equal(kernel_sample(logits, rows, position), core_sample(logits, rows, position)), setting
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("width", [0, 1, 5, 20])
 def test_the_kernels_scores_equal_logprobs_own_to_float32s_rounding(width):
     """score_rows against ext/logprobs.py's scores() on float32 rows of GPT-2's padded vocabulary: each target's
