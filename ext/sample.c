@@ -149,7 +149,9 @@ static void weigh_kept(const float *x, int64_t n, float kept, float *w) {
         ints any_kept = {0};
         for (int64_t i = run; i < end; i += LANES) /* padded with NaN, which no kept is */
             any_kept |= load_vec(x, i, end, __builtin_nanf("")) >= splat(kept);
-        for (int64_t i = run; any_of(any_kept) && i < end; i += LANES)
+        if (!any_of(any_kept))
+            continue;
+        for (int64_t i = run; i < end; i += LANES)
             store_vec(w + i, exp_vec(load_vec(x, i, end, 0)), end - i < LANES ? end - i : LANES);
     }
 }
