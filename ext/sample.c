@@ -3,9 +3,10 @@
    keep (cut_value's rules), and take the id whose CDF, in sampling.invert_cdf's order, first passes the row's u.
    What the core does with a dozen torch ops over (rows, candidates) tensors and a sort of whole rows (top-p
    alone), this does a row at a time in a thread's cache, with no sort of a row: a top-k row's candidates come from
-   top_k.c; top-p alone finds its cut from a histogram of the row's weights, and sorts (by radix) only the bucket
-   the cut falls in and its nonempty neighbours; a row without either weighs only the runs of 64 ids that hold one
-   that its min-p keeps (weigh_kept).
+   top_k.c; top-p alone, on a peaked row, takes its cut from the few values within 8 nats of the best, the rest
+   weighed in float32 (draw_top_p_peaked), and elsewhere from a histogram of the row's weights, sorting (by radix)
+   only the bucket the cut falls in and its nonempty neighbours; a row without either weighs only the runs of 64 ids
+   that hold one that its min-p keeps (weigh_kept).
    The values it compares are the core's, bit for bit (the same float32 subtractions and divisions, sums in
    float64 stored as float32, as torch's CPU cumsum does); the weights are this file's exp, correctly rounded
    nearly always (torch's differs from it by an ulp in ~1% of values), and the long sums run in another order: a
@@ -25,6 +26,7 @@ void top_k_row(const float *x, int64_t V, int64_t k, int64_t G, uint64_t *buf, i
 #define BUCKETS 2048  /* top-p's histogram of a row's scaled values: its float64 sums (16 KB) in the L1 cache */
 #define FLOOR -87.0f  /* the core clamps a cut-free row's scaled values here (sampling.sample) */
 #define BLOCK 512     /* the draw's CDF: block sums first, then one block in order */
+#define BAR -8.0f     /* top-p's candidates on a peaked row: the scaled values of at least this */
 
 /* A vector of floats, and of their bits: the CPU's widest, 16 floats with AVX-512, 8 with AVX (gcc 12 turns a wider
    vector's compares and selects into scalar code: 10x slower on an AVX2 EPYC). What it computes is the same for
@@ -42,6 +44,8 @@ void top_k_row(const float *x, int64_t V, int64_t k, int64_t G, uint64_t *buf, i
 #endif
 typedef float floats __attribute__((vector_size(4 * LANES)));
 typedef int32_t ints __attribute__((vector_size(4 * LANES)));
+
+#define SUMS (16 / LANES) /* a float32 sum's vectors: 16 sums, whatever the width (log_total, gather_candidates) */
 
 static inline floats splat(float x) { return (floats){0} + x; }
 
@@ -441,9 +445,155 @@ static float cut_top_p(const float *x, int64_t V, float top_p, float least, floa
     return max_of(max_of(smallest, least), last_kept);
 }
 
-/* A row with no top_k: every id's scaled value, clamped as the core clamps them, in id order. */
+/* a run of 64 logits from x[run..V): a pointer into x, or tail holding the last run padded with -inf */
+static const float *run_of(const float *x, int64_t run, int64_t V, float *tail) {
+    if (run + 64 <= V)
+        return x + run;
+    for (int64_t i = 0; i < 64; i++)
+        tail[i] = run + i < V ? x[run + i] : -__builtin_inff();
+    return tail;
+}
+
+/* x[0..64): its largest, or m if larger (NaN ignored) */
+static float run_max(const float *x, float m) {
+    floats top = splat(m);
+    for (int k = 0; k < 64; k += LANES) {
+        floats v = load_vec(x, k, 64, m);
+        top = blend(v > top, v, top);
+    }
+    for (int j = 0; j < LANES; j++)
+        m = top[j] > m ? top[j] : m;
+    return m;
+}
+
+/* Candidates s->window[0..n) (logits) that the best m, risen since they were gathered, leaves below BAR - 2**-10:
+   their weights (exp_vec_float's, as the pass weighs the rest) into *rest, and the others kept in order -> how many
+   are kept */
+static int64_t prune(struct scratch *s, int64_t n, float m, float inverse, double *rest) {
+    int64_t kept = 0;
+    for (int64_t j = 0; j < n; j++) {
+        float approximate = (s->window[j] - m) * inverse;
+        if (approximate < BAR - 0x1p-10f) {
+            *rest += exp_vec_float(splat(approximate))[0];
+            continue;
+        }
+        s->window[kept] = s->window[j];
+        s->ids[kept++] = s->ids[j];
+    }
+    return kept;
+}
+
+/* A run's candidates x[0..64) (ids run..), those whose logits scaled against m are at least BAR - 2**-10, appended
+   to s->window[0..n) and s->ids -> how many then, pruned (*pruned: the weights pruned) where they pass cap, or -1
+   where more than cap / 2 stay (a flat row) */
+static int64_t append_candidates(const float *x, int64_t run, int64_t V, float m, float inverse, int64_t cap, int64_t n,
+                                 double *pruned, struct scratch *s) {
+    for (int k = 0; k < 64 && run + k < V; k += LANES) {
+        floats v = load_vec(x, k, 64, 0);
+        ints candidate = (v - m) * inverse >= splat(BAR - 0x1p-10f);
+        if (!any_of(candidate))
+            continue;
+        if (n + LANES > cap && (n = prune(s, n, m, inverse, pruned)) + LANES > cap / 2)
+            return -1;
+        for (int j = 0; j < LANES; j++) {
+            s->window[n] = v[j];
+            s->ids[n] = run + k + j;
+            n += candidate[j] != 0;
+        }
+    }
+    return n;
+}
+
+/* A top-p row's candidates, in one pass with no pass before it for the row's best: each id whose logit, scaled
+   against the best so far, is at least BAR or close below it, with its logit, in id order, into s->window and
+   s->ids -> how many, or -1 where more than cap / 2 stay after a prune (a flat row: its histogram costs less than
+   this pass). The weight of the rest goes into *rest, summed against the best so far (rescaled where it rises);
+   *best: the row's largest logit, NaN ignored, as row_range's. Which ids, and the rest's weights, come from values
+   scaled by a product with 1 / temperature, an ulp or two from the core's quotient (hence "close below"), and
+   weighed by exp_vec_float. The weights are summed in float32 in 16 sums (id i's in sum i % 16) for a run of 64
+   ids, then in float64: the same at every vector width. A row with NaN, or an infinite best, sums to NaN. */
+static int64_t gather_candidates(const float *row, int64_t V, float temperature, int64_t cap, double *rest, float *best,
+                                 struct scratch *s) {
+    const float inverse = 1 / temperature, bar = BAR - 0x1p-10f;
+    float m = row[0], tail[64];
+    double sum[16] = {0}, pruned = 0;
+    int64_t n = 0;
+    for (int64_t run = 0; run < V; run += 64) {
+        const float *x = run_of(row, run, V, tail);
+        float run_best = run_max(x, m);
+        if (run_best > m) { /* the sums so far, against the new best */
+            double scale = exp(((double)m - run_best) * inverse);
+            for (int j = 0; j < 16; j++)
+                sum[j] *= scale;
+            pruned *= scale;
+            m = run_best;
+        }
+        floats part[SUMS] = {0};
+        ints any = {0};
+        for (int k = 0; k < 64; k += LANES) {
+            floats v = (load_vec(x, k, 64, 0) - m) * inverse;
+            ints candidate = v >= splat(bar);
+            part[k / LANES % SUMS] += blend(candidate, splat(0.0f), exp_vec_float(v));
+            any |= candidate;
+        }
+        for (int j = 0; j < 16; j++)
+            sum[j] += part[j / LANES][j % LANES];
+        if (any_of(any) && (n = append_candidates(x, run, V, m, inverse, cap, n, &pruned, s)) < 0)
+            return -1;
+    }
+    *rest = pruned, *best = m;
+    for (int j = 0; j < 16; j++)
+        *rest += sum[j];
+    return prune(s, n, m, inverse, rest);
+}
+
+/* Top-p on a peaked row, whose kept ids lie among the few of at least BAR: the cut from those alone, sorted, and the
+   draw among those it keeps, in id order (the others weigh nothing in the core's CDF). The rest's weights come
+   from exp_vec_float: an ulp or two of error in each weight below e**-8 of the best's, a share of the row's sum far
+   below its float32 rounding, which is all the core compares it in. -> the id, or -1 where the row is flat, holds
+   NaN or an infinite best, or its cut may lie below BAR (the histogram's path then). */
+static int64_t draw_top_p_peaked(const float *row, int64_t V, float temperature, float top_p, float least, float u,
+                                 int wide, struct scratch *s) {
+    double rest, before = 0;
+    float best, inverse = 1 / temperature;
+    int64_t n = gather_candidates(row, V, temperature, V / 32 + 512 < V ? V / 32 + 512 : V, &rest, &best, s);
+    if (n <= 0 || !(rest < __builtin_inf()) || !(inverse < __builtin_inff()))
+        return -1;
+    for (int64_t j = 0; j < n; j++) /* scaled as the core scales them */
+        s->window[j] = (s->window[j] - best) / temperature;
+    weigh_kept(s->window, n, -__builtin_inff(), s->w);
+    float target = top_p * (float)(rest + kept_sum(s->window, s->w, 0, n, -__builtin_inff()));
+    memcpy(s->values, s->window, sizeof(float) * n);
+    sort_descending(s->values, n, (uint32_t *)s->keys);
+    float last_kept = s->values[0];
+    int64_t i = 0;
+    for (; i < n && s->values[i] >= BAR; i++) { /* cut_sorted's walk, over the values surely gathered */
+        float p = exp_le0(s->values[i]);
+        before += p;
+        if ((float)before - p >= target)
+            break;
+        last_kept = s->values[i];
+    }
+    /* Past them, the value the core reads next (a candidate or not) weighs less than e**BAR of the best: where the
+       mass before it passes target beyond float32's rounding, the cut is the last value walked; else it may lie
+       below BAR. */
+    if ((i == n || !(s->values[i] >= BAR)) && !(before * (1 - 0x1p-20) >= target))
+        return -1;
+    float kept = max_of(least, last_kept);
+    block_sums(s->window, s->w, n, kept, s->block_sum);
+    int64_t j = invert_cdf(s->window, s->w, n, kept, u, wide, s->block_sum);
+    while (j > 0 && !(s->window[j] >= kept)) /* rounding left none: the core's CDF passes at its last kept or before */
+        j--;
+    return s->ids[j];
+}
+
+/* A row with no top_k: every id's scaled value, clamped as the core clamps them, in id order (top-p on a peaked
+   row: draw_top_p_peaked's few). */
 static int64_t draw_uncut(const float *row, int64_t V, float temperature, float top_p, float least, float u, int wide,
                           struct scratch *s) {
+    int64_t id = top_p < 1 ? draw_top_p_peaked(row, V, temperature, top_p, least, u, wide, s) : -1;
+    if (id >= 0)
+        return id;
     int nan;
     float lowest, lowest_finite, best = row_range(row, V, &nan, &lowest, &lowest_finite);
     best = nan ? __builtin_nanf("") : best; /* torch's amax: NaN wins */
@@ -545,7 +695,6 @@ struct score_args {
     float *top_logprobs;
 };
 
-#define SUMS (16 / LANES) /* log_total's vectors of float32 sums: 16 sums, whatever the width */
 
 /* The row's logsumexp from float32 weights (exp_vec_float), runs of 1,024 summed in float32 (16 sums, id i's in
    sum i % 16) and the runs in float64, and how many of its values are at least target

@@ -416,6 +416,37 @@ def test_a_draw_reads_no_weight_it_skipped():
         torch.set_num_threads(threads)
 
 
+def peaked_rows(R, V, g):
+    """Rows whose top-p cut lies within 8 nats of their best (randn x 4), among them ties (bf16), a best that rises
+    late in the row, a first run of -inf and GPT-2's padded ids; rows whose cut lies deeper (a best, then 300 ids
+    7.5 nats below it and 3,000 at 9); flat rows (randn x 0.7)."""
+    logits = torch.randn(R, V, generator=g) * 4
+    logits[: R // 8] = logits[: R // 8].bfloat16().float()
+    logits[R // 8 : R // 4, V - 1000] += 14  # the best so far rises late: the sums so far are rescaled
+    logits[R // 4 : R // 4 + 2, :64] = float("-inf")
+    deep = slice(R - R // 4, R - R // 8)
+    logits[deep] = -40.0
+    logits[deep, 0], logits[deep, 100:400], logits[deep, 1000:4000] = 0.0, -7.5, -9.0
+    logits[R - R // 8 :] = torch.randn(R // 8, V, generator=g) * 0.7
+    logits[:, 50257:] = float("-inf")
+    return logits
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 1.3])
+def test_the_kernels_top_p_on_peaked_rows_equals_the_cores(temperature):
+    """A top-p row whose cut lies within 8 nats of its best (a trained model's, mostly) takes its cut from those few
+    values alone, the rest of the row weighed by the float32 exp; a row whose cut lies deeper, or a flat one, takes
+    the histogram's path: every row, with top-p alone and with min-p beside it, draws the core's token."""
+    R, V = 48, 50304
+    g = torch.Generator().manual_seed(int(temperature * 10))
+    logits = peaked_rows(R, V, g)
+    for top_p, min_p in [(0.9, 0.0), (0.5, 0.0), (0.99, 0.0), (0.9, 0.02)]:
+        for rep in range(3):
+            rows = settings_rows(R, temperature, 0, top_p, min_p, seed=100 * rep)
+            position = torch.randint(0, 100_000, (R,), generator=g)
+            assert torch.equal(kernel_sample(logits, rows, position), core_sample(logits, rows, position))
+
+
 @pytest.mark.parametrize("width", [0, 1, 5, 20])
 def test_the_kernels_scores_equal_logprobs_own_to_float32s_rounding(width):
     """score_rows against ext/logprobs.py's scores() on float32 rows of GPT-2's padded vocabulary: each target's
@@ -447,9 +478,12 @@ def test_the_kernels_draw_and_scores_are_the_same_bits_at_every_vector_width(lan
     position = torch.randint(0, 1000, (R,), generator=g)
     rows = torch.cat([settings_rows(2, *c, seed=i) for i, c in enumerate(SETTINGS)])
     targets = torch.randint(0, V, (R,), generator=g)
+    peaked, top_p = peaked_rows(16, V, g), settings_rows(16, 1.0, 0, 0.9, 0.0)  # top-p's path for peaked rows
     native = kernel_sample(logits, rows, position), kernel_scores(logits, targets, 5)
+    native_peaked = kernel_sample(peaked, top_p, position[:16])
     monkeypatch.setitem(cpu_kernel.BUILD_FLAGS, "float", [f"-DLANES={lanes}"])
     cpu_kernel.load_kernel.cache_clear()
+    assert torch.equal(kernel_sample(peaked, top_p, position[:16]), native_peaked)
     assert torch.equal(kernel_sample(logits, rows, position), native[0])
     assert all(np.array_equal(a, b) for a, b in zip(kernel_scores(logits, targets, 5), native[1]))
 
