@@ -562,7 +562,10 @@ static int64_t draw_top_p_peaked(const float *row, int64_t V, float temperature,
     for (int64_t j = 0; j < n; j++) /* scaled as the core scales them */
         s->window[j] = (s->window[j] - best) / temperature;
     weigh_kept(s->window, n, -__builtin_inff(), s->w);
-    float target = top_p * (float)(rest + kept_sum(s->window, s->w, 0, n, -__builtin_inff()));
+    double gathered = kept_sum(s->window, s->w, 0, n, -__builtin_inff());
+    float target = top_p * (float)(rest + gathered);
+    if (gathered * (1 + 0x1p-20) < target) /* the cut lies below BAR: no walk reaches target */
+        return -1;
     memcpy(s->values, s->window, sizeof(float) * n);
     sort_descending(s->values, n, (uint32_t *)s->keys);
     float last_kept = s->values[0];
