@@ -484,17 +484,17 @@ static int64_t prune(struct scratch *s, int64_t n, float m, float inverse, doubl
 }
 
 /* A run's candidates x[0..64) (ids run..), those whose logits scaled against m are at least BAR - 2**-10, appended
-   to s->window[0..n) and s->ids -> how many then, pruned (*pruned: the weights pruned) where they pass cap, or -1
-   where more than cap / 2 stay (a flat row) */
+   to s->window[0..n) and s->ids -> how many then, pruned first (*pruned: the weights pruned) where a run's more
+   could pass cap, or -1 where more than cap / 2 - 64 stay (a flat row) */
 static int64_t append_candidates(const float *x, int64_t run, int64_t V, float m, float inverse, int64_t cap, int64_t n,
                                  double *pruned, struct scratch *s) {
+    if (n + 64 > cap && (n = prune(s, n, m, inverse, pruned)) + 64 > cap / 2) /* once a run: the same at every width */
+        return -1;
     for (int k = 0; k < 64 && run + k < V; k += LANES) {
         floats v = load_vec(x, k, 64, 0);
         ints candidate = (v - m) * inverse >= splat(BAR - 0x1p-10f);
         if (!any_of(candidate))
             continue;
-        if (n + LANES > cap && (n = prune(s, n, m, inverse, pruned)) + LANES > cap / 2)
-            return -1;
         for (int j = 0; j < LANES; j++) {
             s->window[n] = v[j];
             s->ids[n] = run + k + j;
@@ -562,25 +562,28 @@ static int64_t draw_top_p_peaked(const float *row, int64_t V, float temperature,
     for (int64_t j = 0; j < n; j++) /* scaled as the core scales them */
         s->window[j] = (s->window[j] - best) / temperature;
     weigh_kept(s->window, n, -__builtin_inff(), s->w);
-    double gathered = kept_sum(s->window, s->w, 0, n, -__builtin_inff());
-    float target = top_p * (float)(rest + gathered);
-    if (gathered * (1 + 0x1p-20) < target) /* the cut lies below BAR: no walk reaches target */
+    /* The core's target lies within low..high: the rest's weights, each this file's float32 exp of a product (an ulp
+       of a value x moves its weight by |x| ulps), are within 2**-16 of the core's, and those past 40 nats weigh
+       nothing that shows; then the float32 roundings of the sum and of top_p x it. */
+    double gathered = kept_sum(s->window, s->w, 0, n, -__builtin_inff()), error = rest * 0x1p-16 + V * 1e-17;
+    double low = top_p * (rest + gathered - error) * (1 - 0x1p-22), high = top_p * (rest + gathered + error) * (1 + 0x1p-22);
+    if (gathered * (1 + 0x1p-20) < low) /* the cut lies below BAR: no walk reaches low */
         return -1;
     memcpy(s->values, s->window, sizeof(float) * n);
     sort_descending(s->values, n, (uint32_t *)s->keys);
-    float last_kept = s->values[0];
+    float last_kept = s->values[0], mass = 0;
     int64_t i = 0;
     for (; i < n && s->values[i] >= BAR; i++) { /* cut_sorted's walk, over the values surely gathered */
         float p = exp_le0(s->values[i]);
         before += p;
-        if ((float)before - p >= target)
+        if ((mass = (float)before - p) >= low)
             break;
         last_kept = s->values[i];
     }
-    /* Past them, the value the core reads next (a candidate or not) weighs less than e**BAR of the best: where the
-       mass before it passes target beyond float32's rounding, the cut is the last value walked; else it may lie
-       below BAR. */
-    if ((i == n || !(s->values[i] >= BAR)) && !(before * (1 - 0x1p-20) >= target))
+    /* The core's walk stops where this one does, wherever its target lies: past low here means past high. Past the
+       values surely gathered, the value the core reads next weighs less than e**-8 of the best, and the mass before
+       it must pass high beyond float32's rounding; else the cut may lie below BAR. */
+    if (i < n && s->values[i] >= BAR ? !(mass >= high) : !(before * (1 - 0x1p-20) >= high))
         return -1;
     float kept = max_of(least, last_kept);
     block_sums(s->window, s->w, n, kept, s->block_sum);

@@ -447,6 +447,39 @@ def test_the_kernels_top_p_on_peaked_rows_equals_the_cores(temperature):
             assert torch.equal(kernel_sample(logits, rows, position), core_sample(logits, rows, position))
 
 
+def rest_heavy_rows(R, candidates=0):
+    """A review's rows (its reproducers, 2026-12-07): the best, 200,000 ids tied ~8.15 nats below it at temperature
+    1.955..., where top-p's peaked path weighs them by the float32 exp of a product (~1e-6 light against the core's:
+    past its first margin), and 100 ids 3 nats below the best, so that the cut may fall among its candidates;
+    candidates: that many more, 7.9 nats below, to bring the candidates near the path's capacity. -> the rows, the
+    temperature, and the top_p values of 30 consecutive float32s around 1 / the row's weight (where the cut moves)."""
+    t, c, V = 1.9552539587020874, -15.932278633117676, 200_064
+    x = torch.full((R, V), -1000.0)
+    x[:, 0], x[:, 1:101] = 0.0, -3 * t
+    x[:, 101 : 101 + candidates] = -7.9 * t
+    x[:, 101 + candidates : 200_101] = c
+    total = (x[:1] / torch.tensor(t)).clamp(-87.0).exp().double().sum().item()
+    p = np.float32(1 / total)
+    for _ in range(14):
+        p = np.nextafter(p, np.float32(0))
+    top_ps = []
+    for _ in range(30):
+        top_ps.append(float(p))
+        p = np.nextafter(p, np.float32(1))
+    return x, t, top_ps
+
+
+def test_the_kernels_top_p_cut_holds_where_its_float32_weights_of_the_rest_round_apart():
+    """Rows whose rest, weighed in float32 by top-p's peaked path, is most of their weight: where the core's cut
+    could lie on either side of the path's, the row takes the histogram's path, and draws the core's token at every
+    top_p where the cut moves (a review found 8 and 9 top_p values that drew others, before the margins)."""
+    x, t, top_ps = rest_heavy_rows(4)
+    position = torch.arange(4) * 12345
+    for top_p in top_ps:
+        rows = settings_rows(4, t, 0, top_p, 0.0, seed=3)
+        assert torch.equal(kernel_sample(x, rows, position), core_sample(x, rows, position)), top_p
+
+
 @pytest.mark.parametrize("width", [0, 1, 5, 20])
 def test_the_kernels_scores_equal_logprobs_own_to_float32s_rounding(width):
     """score_rows against ext/logprobs.py's scores() on float32 rows of GPT-2's padded vocabulary: each target's
@@ -479,11 +512,17 @@ def test_the_kernels_draw_and_scores_are_the_same_bits_at_every_vector_width(lan
     rows = torch.cat([settings_rows(2, *c, seed=i) for i, c in enumerate(SETTINGS)])
     targets = torch.randint(0, V, (R,), generator=g)
     peaked, top_p = peaked_rows(16, V, g), settings_rows(16, 1.0, 0, 0.9, 0.0)  # top-p's path for peaked rows
+    full, t, top_ps = rest_heavy_rows(2, candidates=200_064 // 32 + 512 - 110)  # near its capacity
+    full_rows = [settings_rows(2, t, 0, p, 0.0, seed=3) for p in top_ps]
     native = kernel_sample(logits, rows, position), kernel_scores(logits, targets, 5)
-    native_peaked = kernel_sample(peaked, top_p, position[:16])
+    native_peaked = [kernel_sample(peaked, top_p, position[:16])] + [
+        kernel_sample(full, r, position[:2]) for r in full_rows
+    ]
     monkeypatch.setitem(cpu_kernel.BUILD_FLAGS, "float", [f"-DLANES={lanes}"])
     cpu_kernel.load_kernel.cache_clear()
-    assert torch.equal(kernel_sample(peaked, top_p, position[:16]), native_peaked)
+    assert torch.equal(kernel_sample(peaked, top_p, position[:16]), native_peaked[0])
+    for r, want in zip(full_rows, native_peaked[1:]):  # the path taken, the same at every width (a review's find)
+        assert torch.equal(kernel_sample(full, r, position[:2]), want)
     assert torch.equal(kernel_sample(logits, rows, position), native[0])
     assert all(np.array_equal(a, b) for a, b in zip(kernel_scores(logits, targets, 5), native[1]))
 
