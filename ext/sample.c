@@ -562,9 +562,11 @@ static int64_t draw_top_p_peaked(const float *row, int64_t V, float temperature,
     for (int64_t j = 0; j < n; j++) /* scaled as the core scales them */
         s->window[j] = (s->window[j] - best) / temperature;
     weigh_kept(s->window, n, -__builtin_inff(), s->w);
-    /* The core's target lies within low..high: the rest's weights, each this file's float32 exp of a product (an ulp
-       of a value x moves its weight by |x| ulps), are within 2**-16 of the core's, and those past 40 nats weigh
-       nothing that shows; then the float32 roundings of the sum and of top_p x it. */
+    /* The core's target lies within low..high. The rest's weights, each this file's float32 exp of a product, and
+       of a difference from the best so far where the best rose (a value x off by up to ~5 |x| ulps, which move its
+       weight by as many), are within 2**-16 of the core's down to 50 nats; past 40 nats they weigh below 1e-17
+       each. Then the float32 roundings of the sum and of top_p x it (the 2**-22 also holds the ulp by which this
+       file's exp of a candidate may differ from torch's, as the histogram's path's would). */
     double gathered = kept_sum(s->window, s->w, 0, n, -__builtin_inff()), error = rest * 0x1p-16 + V * 1e-17;
     double low = top_p * (rest + gathered - error) * (1 - 0x1p-22), high = top_p * (rest + gathered + error) * (1 + 0x1p-22);
     if (gathered * (1 + 0x1p-20) < low) /* the cut lies below BAR: no walk reaches low */
