@@ -255,6 +255,23 @@ static int64_t invert_cdf(const float *x, const float *w, int64_t n, float kept,
     return n - 1;
 }
 
+/* cut_sorted's walk over x[0..n), sorted best first, while not below floor: the mass before each value (*before: the
+   mass above x[0], then to the value the walk stopped at) until it reaches target -> where the walk stopped;
+   *last_kept: the value before it (as it was where the walk stopped at once); *mass: the mass before the value it
+   stopped at, in float32 as the core's */
+static int64_t walk(const float *x, int64_t n, float floor, double target, double *before, float *last_kept,
+                    float *mass) {
+    int64_t i = 0;
+    for (; i < n && !(x[i] < floor); i++) {
+        float p = exp_le0(x[i]);
+        *before += p;
+        if ((*mass = (float)*before - p) >= target)
+            break;
+        *last_kept = x[i];
+    }
+    return i;
+}
+
 /* x[0..n): scaled values, best first, w their weights -> the least value that top-k (its k-th, and any tied with
    it), top-p and min-p (least) keep: cut_value. */
 static float cut_sorted(const float *x, const float *w, int64_t n, int64_t k, float top_p, float least) {
@@ -431,15 +448,8 @@ static float cut_top_p(const float *x, int64_t V, float top_p, float least, floa
         }
     }
     sort_descending(s->window, n, (uint32_t *)s->ids);
-    float last_kept = n ? s->window[0] : smallest;
-    int64_t i = 0;
-    for (; i < n; i++) {
-        float p = exp_le0(s->window[i]);
-        before += p;
-        if ((float)before - p >= target)
-            break;
-        last_kept = s->window[i];
-    }
+    float last_kept = n ? s->window[0] : smallest, reached;
+    int64_t i = walk(s->window, n, -__builtin_inff(), target, &before, &last_kept, &reached);
     if (i == n && hi == BUCKETS - 1)
         last_kept = smallest; /* none past the target: the core's search ends on the row's last */
     return max_of(max_of(smallest, least), last_kept);
@@ -509,7 +519,7 @@ static int64_t append_candidates(const float *x, int64_t run, int64_t V, float m
    s->ids -> how many, or -1 where more than cap / 2 stay after a prune (a flat row: its histogram costs less than
    this pass). The weight of the rest goes into *rest, summed against the best so far (rescaled where it rises);
    *best: the row's largest logit, NaN ignored, as row_range's. Which ids, and the rest's weights, come from values
-   scaled by a product with 1 / temperature, an ulp or two from the core's quotient (hence "close below"), and
+   scaled by a product with 1 / temperature, a few ulps from the core's quotient (hence "close below"), and
    weighed by exp_vec_float. The weights are summed in float32 in 16 sums (id i's in sum i % 16) for a run of 64
    ids, then in float64: the same at every vector width. A row with NaN, or an infinite best, sums to NaN. */
 static int64_t gather_candidates(const float *row, int64_t V, float temperature, int64_t cap, double *rest, float *best,
@@ -548,10 +558,10 @@ static int64_t gather_candidates(const float *row, int64_t V, float temperature,
 }
 
 /* Top-p on a peaked row, whose kept ids lie among the few of at least BAR: the cut from those alone, sorted, and the
-   draw among those it keeps, in id order (the others weigh nothing in the core's CDF). The rest's weights come
-   from exp_vec_float: an ulp or two of error in each weight below e**-8 of the best's, a share of the row's sum far
-   below its float32 rounding, which is all the core compares it in. -> the id, or -1 where the row is flat, holds
-   NaN or an infinite best, or its cut may lie below BAR (the histogram's path then). */
+   draw among those it keeps, in id order (the others weigh nothing in the core's CDF). The rest's weights, from
+   exp_vec_float, move only the row's sum, which the core reads in float32: the cut is taken only where they cannot
+   move it (below). -> the id, or -1 where the row is flat, holds NaN or an infinite best, or its cut may lie below
+   BAR, or may move (the histogram's path then). */
 static int64_t draw_top_p_peaked(const float *row, int64_t V, float temperature, float top_p, float least, float u,
                                  int wide, struct scratch *s) {
     double rest, before = 0;
@@ -574,14 +584,7 @@ static int64_t draw_top_p_peaked(const float *row, int64_t V, float temperature,
     memcpy(s->values, s->window, sizeof(float) * n);
     sort_descending(s->values, n, (uint32_t *)s->keys);
     float last_kept = s->values[0], mass = 0;
-    int64_t i = 0;
-    for (; i < n && s->values[i] >= BAR; i++) { /* cut_sorted's walk, over the values surely gathered */
-        float p = exp_le0(s->values[i]);
-        before += p;
-        if ((mass = (float)before - p) >= low)
-            break;
-        last_kept = s->values[i];
-    }
+    int64_t i = walk(s->values, n, BAR, low, &before, &last_kept, &mass); /* over the values surely gathered */
     /* The core's walk stops where this one does, wherever its target lies: past low here means past high. Past the
        values surely gathered, the value the core reads next weighs less than e**-8 of the best, and the mass before
        it must pass high beyond float32's rounding; else the cut may lie below BAR. */
