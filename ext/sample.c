@@ -27,6 +27,7 @@ void top_k_row(const float *x, int64_t V, int64_t k, int64_t G, uint64_t *buf, i
 #define FLOOR -87.0f  /* the core clamps a cut-free row's scaled values here (sampling.sample) */
 #define BLOCK 512     /* the draw's CDF: block sums first, then one block in order */
 #define BAR -8.0f     /* top-p's candidates on a peaked row: the scaled values of at least this */
+#define GATHERED (BAR - 0x1p-10f) /* ... and those a product with 1 / temperature scales to at least this */
 
 /* A vector of floats, and of their bits: the CPU's widest, 16 floats with AVX-512, 8 with AVX (gcc 12 turns a wider
    vector's compares and selects into scalar code: 10x slower on an AVX2 EPYC). What it computes is the same for
@@ -476,14 +477,14 @@ static float run_max(const float *x, float m) {
     return m;
 }
 
-/* Candidates s->window[0..n) (logits) that the best m, risen since they were gathered, leaves below BAR - 2**-10:
+/* Candidates s->window[0..n) (logits) that the best m, risen since they were gathered, leaves below GATHERED:
    their weights (exp_vec_float's, as the pass weighs the rest) into *rest, and the others kept in order -> how many
    are kept */
 static int64_t prune(struct scratch *s, int64_t n, float m, float inverse, double *rest) {
     int64_t kept = 0;
     for (int64_t j = 0; j < n; j++) {
         float approximate = (s->window[j] - m) * inverse;
-        if (approximate < BAR - 0x1p-10f) {
+        if (approximate < GATHERED) {
             *rest += exp_vec_float(splat(approximate))[0];
             continue;
         }
@@ -493,7 +494,7 @@ static int64_t prune(struct scratch *s, int64_t n, float m, float inverse, doubl
     return kept;
 }
 
-/* A run's candidates x[0..64) (ids run..), those whose logits scaled against m are at least BAR - 2**-10, appended
+/* A run's candidates x[0..64) (ids run..), those whose logits scaled against m are at least GATHERED, appended
    to s->window[0..n) and s->ids -> how many then, pruned first (*pruned: the weights pruned) where a run's more
    could pass cap, or -1 where more than cap / 2 - 64 stay (a flat row) */
 static int64_t append_candidates(const float *x, int64_t run, int64_t V, float m, float inverse, int64_t cap, int64_t n,
@@ -502,7 +503,7 @@ static int64_t append_candidates(const float *x, int64_t run, int64_t V, float m
         return -1;
     for (int k = 0; k < 64 && run + k < V; k += LANES) {
         floats v = load_vec(x, k, 64, 0);
-        ints candidate = (v - m) * inverse >= splat(BAR - 0x1p-10f);
+        ints candidate = (v - m) * inverse >= splat(GATHERED);
         if (!any_of(candidate))
             continue;
         for (int j = 0; j < LANES; j++) {
@@ -524,7 +525,7 @@ static int64_t append_candidates(const float *x, int64_t run, int64_t V, float m
    ids, then in float64: the same at every vector width. A row with NaN, or an infinite best, sums to NaN. */
 static int64_t gather_candidates(const float *row, int64_t V, float temperature, int64_t cap, double *rest, float *best,
                                  struct scratch *s) {
-    const float inverse = 1 / temperature, bar = BAR - 0x1p-10f;
+    const float inverse = 1 / temperature;
     float m = row[0], tail[64];
     double sum[16] = {0}, pruned = 0;
     int64_t n = 0;
@@ -542,7 +543,7 @@ static int64_t gather_candidates(const float *row, int64_t V, float temperature,
         ints any = {0};
         for (int k = 0; k < 64; k += LANES) {
             floats v = (load_vec(x, k, 64, 0) - m) * inverse;
-            ints candidate = v >= splat(bar);
+            ints candidate = v >= splat(GATHERED);
             part[k / LANES % SUMS] += blend(candidate, splat(0.0f), exp_vec_float(v));
             any |= candidate;
         }
