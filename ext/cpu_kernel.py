@@ -102,7 +102,8 @@ def load_kernel(real="float"):
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     kernels.decode_attend.argtypes = [pointer] * 6 + [size] * 6 + [ctypes.c_double, ctypes.c_int, ctypes.c_int]
     kernels.top_k.argtypes = [pointer, size, size, size, pointer, pointer, ctypes.c_int]
-    kernels.sample_rows.argtypes = [pointer, size, size, pointer, pointer, pointer, ctypes.c_int, pointer, ctypes.c_int]
+    kernels.sample_rows.argtypes = [pointer, size, size, *[pointer] * 3, ctypes.c_int, pointer, pointer, size]
+    kernels.sample_rows.argtypes += [*[pointer] * 4, ctypes.c_int]
     kernels.score_rows.argtypes = [pointer, size, size, pointer, size, *[pointer] * 4, ctypes.c_int]
     for kernel in (kernels.decode_attend, kernels.top_k, kernels.sample_rows, kernels.score_rows):
         kernel.restype = ctypes.c_int
@@ -156,6 +157,27 @@ def kernel_sample(logits, settings, position, real="float"):
     token ids, every row drawn by ext/sample.c in one call: the core's tokens, but where a draw's u falls within
     the rounding of its exp of a boundary, or among tied candidates (there, the lower id first). real: the library
     to take it from (either build holds it), the one the engine loaded for its pool."""
+    tokens = draw(logits, settings, position, real)
+    if logits.dtype != torch.float32:  # greedy rows take the argmax of the logits as they are, as the core's do
+        tokens = tokens.where(settings[:, 0].float() > 0, argmax(logits))  # greedy in float32, as the core reads it
+    return tokens
+
+
+def kernel_sample_scored(logits, settings, position, scored, width, real="float"):
+    """kernel_sample, and kernel_scores(logits, tokens, width) at the rows where scored (R,) bool is True, each row
+    scored as it is drawn, while it is in the cache (a top-k row's likeliest ids are its candidates'): float32
+    logits (R, V) on a CPU -> tokens (R,), and the scores on the host (those of the other rows unset)."""
+    R, V = logits.shape
+    if logits.dtype != torch.float32 or not 0 <= width <= V:
+        raise ValueError(f"kernel_sample_scored takes float32 logits and a width in 0..{V}")
+    out = score_arrays(R, width)
+    tokens = draw(logits, settings, position, real, scored.to(torch.uint8).contiguous(), width, out)
+    return tokens, [t.numpy() for t in out]
+
+
+def draw(logits, settings, position, real, scored=None, width=0, out=None):
+    """sample_rows: each row's token (R,), and where scored (R,) uint8 is given, the scores of the rows it marks
+    into out (score_arrays)."""
     R, V = logits.shape
     settings, position = settings.double().contiguous(), position.long().contiguous()
     least = settings[:, 3].float().log()  # min-p's least scaled value: torch's log, as the core's cut compares it
@@ -163,12 +185,19 @@ def kernel_sample(logits, settings, position, real="float"):
     wide = int(torch.get_default_dtype() == torch.float64)  # the core's u, and its draw's target, in that dtype
     x = logits.float().contiguous()
     pointers = [t.data_ptr() for t in (settings, least, position)]
+    scores = [t.data_ptr() for t in (scored, *out)] if out else [None] * 5
     sample_rows = load_kernel(real).sample_rows
-    if sample_rows(x.data_ptr(), R, V, *pointers, wide, tokens.data_ptr(), torch.get_num_threads()):
+    if sample_rows(
+        x.data_ptr(), R, V, *pointers, wide, tokens.data_ptr(), scores[0], width, *scores[1:], torch.get_num_threads()
+    ):
         raise MemoryError(f"sample_rows' scratch: rows of {V} ids")
-    if logits.dtype != torch.float32:  # greedy rows take the argmax of the logits as they are, as the core's do
-        tokens = tokens.where(settings[:, 0].float() > 0, argmax(logits))  # greedy in float32, as the core reads it
     return tokens
+
+
+def score_arrays(R, width):
+    """score_rows' outputs: logprob (R,), rank (R,), top ids (R, width), top logprobs (R, width)"""
+    logprob, rank = torch.empty(R, dtype=torch.float32), torch.empty(R, dtype=torch.int32)
+    return logprob, rank, torch.empty(R, width, dtype=torch.int64), torch.empty(R, width, dtype=torch.float32)
 
 
 def kernel_scores(logits, targets, width):
@@ -183,9 +212,7 @@ def kernel_scores(logits, targets, width):
     if len(targets) and not 0 <= int(targets.min()) <= int(targets.max()) < V:
         raise ValueError(f"kernel_scores: targets must be ids in 0..{V - 1}")
     logits, targets = logits.contiguous(), targets.long().contiguous()
-    logprob, rank = torch.empty(R, dtype=torch.float32), torch.empty(R, dtype=torch.int32)
-    top_ids, top_logprobs = torch.empty(R, width, dtype=torch.int64), torch.empty(R, width, dtype=torch.float32)
-    out = (logprob, rank, top_ids, top_logprobs)
+    out = score_arrays(R, width)
     pointers = [t.data_ptr() for t in out]
     score_rows = load_kernel("float").score_rows
     if score_rows(logits.data_ptr(), R, V, targets.data_ptr(), width, *pointers, torch.get_num_threads()):
@@ -229,3 +256,9 @@ class CpuKernel:
         if self.compile != "kernel" or not any(s.request.params.temperature for s, *_ in samplers):
             return super().sample(logits, batch, samplers)  # every row greedy: the core's argmax, with no call
         return kernel_sample(logits, self.settings[batch.sample_rows], batch.sample_pos, self.real)
+
+    def sample_scored(self, logits, batch, scored, width):
+        """The draw, and logprobs' scores of the drawn tokens at the rows where scored (R,) bool is True, in one call
+        (ext/logprobs.py's seam, for float32 logits under compile="kernel"): -> tokens (R,), and the scores."""
+        settings = self.settings[batch.sample_rows]
+        return kernel_sample_scored(logits, settings, batch.sample_pos, scored, width, self.real)

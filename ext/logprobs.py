@@ -174,23 +174,35 @@ class Logprobs:
         this step's prompt positions."""
         rows = self.scoring_rows(samplers)
         drawn = [*range(rows.start), *range(rows.stop, len(samplers))]
-        tokens = self.draw(logits, batch, samplers, drawn)
         asking = [j for j in drawn if samplers[j].sequence.request.params.logprobs is not None]
-        self.entries, self.scores = {}, None
+        widths = [samplers[j].sequence.request.params.logprobs for j in asking]
         compiled = self.compile != "off" and logits.device.type == "cpu"  # no GPU has run it compiled yet
         if self.compile == "kernel":
             compiled = "kernel"  # float32 scores through the C kernel (ext/cpu_kernel.py)
-        if asking:
-            widths = [samplers[j].sequence.request.params.logprobs for j in asking]
+        if compiled == "kernel" and asking and len(drawn) == len(samplers) and logits.dtype == torch.float32:
+            tokens, asked = self.draw_scored(logits, batch, asking, widths)
+        else:
+            tokens = self.draw(logits, batch, samplers, drawn)
             picked = slice(None) if len(asking) == len(samplers) else asking  # every row: no copy of the logits
-            asked = entries(logits[picked], tokens[picked], widths, compiled)
-            self.entries = {samplers[j]: entry for j, entry in zip(asking, asked)}
+            asked = entries(logits[picked], tokens[picked], widths, compiled) if asking else []
+        self.entries = {samplers[j]: entry for j, entry in zip(asking, asked)}
+        self.scores = None
         if self.spans:  # each scores the prompt's token after its position
             targets = np.concatenate([r.prompt_logprobs.prompt[scored] for r, scored in self.spans])
             targets = torch.from_numpy(targets).to(logits.device)
             width = max(r.params.prompt_logprobs for r, _ in self.spans)
             self.scores = scores(logits[rows], targets, width, compiled)
         return tokens
+
+    def draw_scored(self, logits, batch, asking, widths):
+        """The engine's draw at every row, and the asking rows' entries, from one call of the C kernel: each row is
+        scored as it is drawn, read once, and a top-k row's likeliest ids are its candidates'
+        (ext/cpu_kernel.py's sample_scored)."""
+        scored = torch.zeros(len(logits), dtype=torch.bool)
+        scored[asking] = True
+        tokens, host = self.sample_scored(logits, batch, scored, max(widths))
+        picked = slice(None) if len(asking) == len(logits) else asking
+        return tokens, entries_of([a[picked] for a in host], tokens[picked], widths)
 
     def draw(self, logits, batch, samplers, drawn):
         """The engine's draw at the drawn samplers only; a prompt sampler's token is 0, never read."""
@@ -282,7 +294,11 @@ def scores(logits, targets, width, compiled=False):
 def entries(logits, targets, widths, compiled=False):
     """logits (R, V), targets (R,), each row's width -> an entry for each row: {target: Logprob, then the
     width likeliest ids'}, computed on the logits' device (compiled: as scores)."""
-    host = scores(logits, targets, max(widths), compiled)
+    return entries_of(scores(logits, targets, max(widths), compiled), targets, widths)
+
+
+def entries_of(host, targets, widths):
+    """scores' arrays on the host, the rows' targets (R,) and widths -> an entry for each row."""
     logprob, rank, top_ids, top_logprobs = (a.tolist() for a in host)
     rows = zip(targets.tolist(), logprob, rank, top_ids, top_logprobs, widths)
     return [entry(*own, ids[:width], values[:width]) for *own, ids, values, width in rows]

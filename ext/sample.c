@@ -300,6 +300,7 @@ static float cut_sorted(const float *x, const float *w, int64_t n, int64_t k, fl
 struct scratch {
     float *x, *w, *values, *group_max, *window;
     int64_t *ids;
+    int64_t sorted; /* how many of the row's best values lie in values and ids, best first (a top-k row's draw's) */
     uint64_t *keys;
     double *bucket_mass, *block_sum;
     int32_t *bucket;
@@ -361,6 +362,7 @@ static int64_t draw_top_k(const float *row, int64_t V, int64_t k, float temperat
         }
         float kept = cut_sorted(s->x, s->w, K, k, top_p, least);
         block_sums(s->x, s->w, K, kept, s->block_sum);
+        s->sorted = K; /* the raw values, as top_k_row left them: a score of the row reads its best there */
         return s->ids[invert_cdf(s->x, s->w, K, kept, u, wide, s->block_sum)];
     }
 }
@@ -662,6 +664,65 @@ static int for_each_row(int64_t R, int64_t V, int num_threads, void (*each)(int6
     return -failed;
 }
 
+/* logprobs' scores, each row's at its index: its target's logprob and rank, and its width likeliest ids and their
+   logprobs (R, width) */
+struct scores {
+    int64_t width;
+    float *logprob;
+    int32_t *rank;
+    int64_t *top_ids;
+    float *top_logprobs;
+};
+
+/* The row's logsumexp from float32 weights (exp_vec_float), runs of 1,024 summed in float32 (16 sums, id i's in
+   sum i % 16) and the runs in float64, and how many of its values are at least target
+   -> log(sum of exp(x - best)) + best. The sums stay in registers: 16 ids a step, the row's last (short) 16 a
+   vector at a time, its padding weighed 0, so that every width sums the same. */
+static float log_total(const float *row, int64_t V, float best, float target, int32_t *at_least) {
+    double total = 0;
+    ints counted = {0}, lane; /* -1 for each value counted */
+    for (int j = 0; j < LANES; j++)
+        lane[j] = j;
+    for (int64_t start = 0; start < V; start += 1024) {
+        int64_t end = start + 1024 < V ? start + 1024 : V, i = start;
+        floats sum[SUMS] = {0};
+        for (; i + 16 <= end; i += 16)
+            for (int c = 0; c < SUMS; c++) {
+                floats v = load_vec(row, i + c * LANES, V, 0.0f);
+                sum[c] += exp_vec_float(v - best);
+                counted += (ints)(v >= splat(target));
+            }
+        for (int c = 0; i < end; i += LANES, c++) {
+            floats v = load_vec(row, i, V, -__builtin_inff());
+            ints in_row = lane < (int32_t)(V - i);
+            sum[c] += blend(in_row, exp_vec_float(v - best), splat(0.0f));
+            counted += (v >= splat(target)) & in_row;
+        }
+        for (int c = 0; c < SUMS; c++)
+            for (int j = 0; j < LANES; j++)
+                total += sum[c][j];
+    }
+    *at_least = 0;
+    for (int j = 0; j < LANES; j++)
+        *at_least -= counted[j];
+    return (float)log(total) + best;
+}
+
+/* Row r's scores of its target. Its likeliest ids are top_k.c's, unless the scratch holds enough of them from the
+   draw (s->sorted: a prefix of the same order, so the same ids); the best value is the logsumexp's shift, whatever
+   the width. */
+static void score(const float *row, int64_t V, int64_t target, struct scratch *s, const struct scores *out, int64_t r) {
+    int64_t width = out->width, k = width > 0 ? width : 1;
+    if (s->sorted < k)
+        top_k_row(row, V, k, groups_for(k, V), s->keys, 2 * k + 1024, s->group_max, s->values, s->ids);
+    float value = row[target], total = log_total(row, V, s->values[0], value, &out->rank[r]);
+    out->logprob[r] = value - total;
+    for (int64_t j = 0; j < width; j++) {
+        out->top_ids[r * width + j] = s->ids[j];
+        out->top_logprobs[r * width + j] = s->values[j] - total;
+    }
+}
+
 struct draw_args {
     const float *logits;
     int64_t V;
@@ -670,6 +731,8 @@ struct draw_args {
     const int64_t *position;
     int wide;
     int64_t *tokens;
+    const uint8_t *scored; /* the rows whose token is scored too (NULL: none) */
+    struct scores scores;
 };
 
 static void draw_row(int64_t r, struct scratch *s, const void *args) {
@@ -679,76 +742,42 @@ static void draw_row(int64_t r, struct scratch *s, const void *args) {
     float temperature = (float)settings[0], top_p = (float)settings[2];
     float u = uniform((int64_t)settings[4], a->position[r]);
     int64_t top_k = settings[1] < a->V ? (int64_t)settings[1] : 0; /* as SamplingParams.best: every id */
+    s->sorted = 0;
     if (temperature == 0)
         a->tokens[r] = argmax(row, a->V);
     else if (top_k > 0)
         a->tokens[r] = draw_top_k(row, a->V, top_k, temperature, top_p, a->least[r], u, a->wide, s);
     else
         a->tokens[r] = draw_uncut(row, a->V, temperature, top_p, a->least[r], u, a->wide, s);
+    if (a->scored && a->scored[r]) /* while the row is in this core's cache */
+        score(row, a->V, a->tokens[r], s, &a->scores, r);
 }
 
 /* Each row's token. settings (R, 5) float64: sampling.sample's (temperature, top_k, top_p, min_p, seed), read in
-   float32 as it reads them; least (R,) float32: each row's log(min_p), torch's; position (R,) int64. Returns 0, or
-   -1 where a thread's scratch could not be allocated. */
+   float32 as it reads them; least (R,) float32: each row's log(min_p), torch's; position (R,) int64. Where scored
+   (R,) is not NULL, the rows it marks are scored as score_rows scores them, with their drawn token as the target,
+   into logprob, rank, top_ids and top_logprobs (score_rows' shapes; the other rows' are left as they were): the
+   same bits, but a top-k row's likeliest ids come from its candidates. Returns 0, or -1 where a thread's scratch
+   could not be allocated. */
 int sample_rows(const float *logits, int64_t R, int64_t V, const double *settings, const float *least,
-                const int64_t *position, int wide, int64_t *tokens, int num_threads) {
-    struct draw_args args = {logits, V, settings, least, position, wide, tokens};
+                const int64_t *position, int wide, int64_t *tokens, const uint8_t *scored, int64_t width,
+                float *logprob, int32_t *rank, int64_t *top_ids, float *top_logprobs, int num_threads) {
+    struct draw_args args = {logits, V, settings, least, position, wide, tokens, scored,
+                             {width, logprob, rank, top_ids, top_logprobs}};
     return for_each_row(R, V, num_threads, draw_row, &args);
 }
 
 struct score_args {
     const float *logits;
-    int64_t V;
     const int64_t *targets;
-    int64_t width;
-    float *logprob;
-    int32_t *rank;
-    int64_t *top_ids;
-    float *top_logprobs;
+    int64_t V;
+    struct scores scores;
 };
-
-
-/* The row's logsumexp from float32 weights (exp_vec_float), runs of 1,024 summed in float32 (16 sums, id i's in
-   sum i % 16) and the runs in float64, and how many of its values are at least target
-   -> log(sum of exp(x - best)) + best */
-static float log_total(const float *row, int64_t V, float best, float target, int32_t *at_least) {
-    double total = 0;
-    floats sum[SUMS] = {0};
-    ints counted = {0}, lane;
-    for (int j = 0; j < LANES; j++)
-        lane[j] = j;
-    for (int64_t i = 0; i < V; i += LANES) {
-        floats v = load_vec(row, i, V, -__builtin_inff());
-        ints in_row = lane < (int32_t)(V - i);
-        floats e = exp_vec_float(v - best);
-        if (i + LANES > V) /* the padding weighs 0, so that every width sums the same */
-            e = blend(in_row, e, splat(0.0f));
-        sum[i / LANES % SUMS] += e;
-        counted -= (v >= splat(target)) & in_row; /* -1 where counted */
-        if ((i + LANES) % 1024 == 0 || i + LANES >= V) {
-            for (int c = 0; c < SUMS; c++)
-                for (int j = 0; j < LANES; j++)
-                    total += sum[c][j];
-            memset(sum, 0, sizeof sum);
-        }
-    }
-    *at_least = 0;
-    for (int j = 0; j < LANES; j++)
-        *at_least += counted[j];
-    return (float)log(total) + best;
-}
 
 static void score_row(int64_t r, struct scratch *s, const void *args) {
     const struct score_args *a = args;
-    const float *row = a->logits + r * a->V;
-    int64_t k = a->width > 0 ? a->width : 1; /* the best value is the logsumexp's shift, whatever the width */
-    top_k_row(row, a->V, k, groups_for(k, a->V), s->keys, 2 * k + 1024, s->group_max, s->values, s->ids);
-    float target = row[a->targets[r]], total = log_total(row, a->V, s->values[0], target, &a->rank[r]);
-    a->logprob[r] = target - total;
-    for (int64_t j = 0; j < a->width; j++) {
-        a->top_ids[r * a->width + j] = s->ids[j];
-        a->top_logprobs[r * a->width + j] = s->values[j] - total;
-    }
+    s->sorted = 0;
+    score(a->logits + r * a->V, a->V, a->targets[r], s, &a->scores, r);
 }
 
 /* Log-probabilities, as ext/logprobs.py's scores() reads them from a row: the target's logprob and rank (how many
@@ -759,6 +788,6 @@ static void score_row(int64_t r, struct scratch *s, const void *args) {
    int64 and top_logprobs (R, width) float32. Returns 0, or -1 where a thread's scratch could not be allocated. */
 int score_rows(const float *logits, int64_t R, int64_t V, const int64_t *targets, int64_t width, float *logprob,
                int32_t *rank, int64_t *top_ids, float *top_logprobs, int num_threads) {
-    struct score_args args = {logits, V, targets, width, logprob, rank, top_ids, top_logprobs};
+    struct score_args args = {logits, targets, V, {width, logprob, rank, top_ids, top_logprobs}};
     return for_each_row(R, V, num_threads, score_row, &args);
 }

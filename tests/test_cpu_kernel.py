@@ -20,7 +20,14 @@ from test_speculative import repetitive_prompts
 from test_swap import mixed_requests, outputs, storm_prompts
 
 from ext import ServingEngine, cpu_kernel, engine_class
-from ext.cpu_kernel import KernelBatch, kernel_attend, kernel_sample, kernel_scores, kernel_topk
+from ext.cpu_kernel import (
+    KernelBatch,
+    kernel_attend,
+    kernel_sample,
+    kernel_sample_scored,
+    kernel_scores,
+    kernel_topk,
+)
 from ext.logprobs import scores
 from harness.checkpoints import SHIPPED, load_checkpoint
 from harness.contiguous import ContiguousEngine
@@ -183,7 +190,7 @@ def test_the_shipped_models_top_p_min_p_and_logprobs_through_the_kernel_are_the_
     """In float32, rows with top-p, min-p, top-k and logprobs=3 (with prompt logprobs) drawn and scored in C (the
     calls counted: they ran) give the core's tokens, and logprobs within float32's rounding of its."""
     model = load_checkpoint(SHIPPED)
-    calls = {"kernel_sample": 0, "kernel_scores": 0}
+    calls = {"kernel_sample": 0, "kernel_scores": 0, "kernel_sample_scored": 0}
 
     def counting(name):
         real = getattr(cpu_kernel, name)
@@ -212,7 +219,7 @@ def test_the_shipped_models_top_p_min_p_and_logprobs_through_the_kernel_are_the_
     run_engine(ServingEngine(model, num_blocks=200, max_batch=8, compile="kernel"), got, check=True)
     run_engine(ServingEngine(model, num_blocks=200, max_batch=8), want)
     assert outputs(got) == outputs(want)
-    assert calls["kernel_sample"] > 0 and calls["kernel_scores"] > 0
+    assert all(calls.values())  # drawn, scored, and drawn and scored in one call (every row asks: logprobs=3)
     for a, b in zip(got, want):
         assert len(a.sequences[0].logprobs) == len(b.sequences[0].logprobs) == 12
         for entry, other in zip(a.sequences[0].logprobs, b.sequences[0].logprobs):
@@ -500,6 +507,29 @@ def test_the_kernels_scores_equal_logprobs_own_to_float32s_rounding(width):
         kernel_scores(logits[:2, :5], targets[:2] % 5, 6)
 
 
+@pytest.mark.parametrize("width", [0, 1, 5, 20])
+def test_scores_taken_as_the_rows_are_drawn_are_score_rows_own(width):
+    """sample_rows scoring the rows it marks, as it draws them, gives kernel_sample's tokens and, at those rows,
+    kernel_scores' scores of them, bit for bit: on every setting (top-k rows with fewer candidates than the width
+    among them, which select their likeliest ids again), on rows tied past a top-k row's candidates, rows with
+    NaN and -inf, and short rows."""
+    for V, scale in [(50304, 0.5), (2048, 3.0), (30, 10.0)]:
+        R = 2 * len(SETTINGS)
+        g = torch.Generator().manual_seed(V + width)
+        logits = torch.randn(R, V, generator=g) * scale
+        logits[0, 5], logits[1, :7], logits[2] = float("nan"), float("-inf"), 1.0  # NaN, -inf, one value
+        logits[3] = (logits[3] * 4).round()  # ties past a top-k row's k best and one more
+        position = torch.randint(0, 1000, (R,), generator=g)
+        rows = torch.cat([settings_rows(2, *c, seed=i) for i, c in enumerate(SETTINGS)])
+        rows[:, 1] = rows[:, 1].clamp(max=V)
+        scored = torch.rand(R, generator=g) < 0.7
+        tokens, got = kernel_sample_scored(logits, rows, position, scored, min(width, V))
+        assert torch.equal(tokens, kernel_sample(logits, rows, position))
+        want = kernel_scores(logits, tokens, min(width, V))
+        for a, b in zip(got, want):
+            assert np.array_equal(a[scored.numpy()], b[scored.numpy()], equal_nan=True)
+
+
 @pytest.mark.parametrize("lanes", [4, 16])
 def test_the_kernels_draw_and_scores_are_the_same_bits_at_every_vector_width(lanes, monkeypatch, fresh_cache):
     """ext/sample.c's vectors are the CPU's widest (16 floats with AVX-512, 8 with AVX): a build at another width
@@ -515,6 +545,8 @@ def test_the_kernels_draw_and_scores_are_the_same_bits_at_every_vector_width(lan
     full, t, top_ps = rest_heavy_rows(2, candidates=200_064 // 32 + 512 - 110)  # near its capacity
     full_rows = [settings_rows(2, t, 0, p, 0.0, seed=3) for p in top_ps]
     native = kernel_sample(logits, rows, position), kernel_scores(logits, targets, 5)
+    every = torch.ones(R, dtype=torch.bool)
+    native_scored = kernel_sample_scored(logits, rows, position, every, 5)[1]  # scored as drawn
     native_peaked = [kernel_sample(peaked, top_p, position[:16])] + [
         kernel_sample(full, r, position[:2]) for r in full_rows
     ]
@@ -525,6 +557,9 @@ def test_the_kernels_draw_and_scores_are_the_same_bits_at_every_vector_width(lan
         assert torch.equal(kernel_sample(full, r, position[:2]), want)
     assert torch.equal(kernel_sample(logits, rows, position), native[0])
     assert all(np.array_equal(a, b) for a, b in zip(kernel_scores(logits, targets, 5), native[1]))
+    assert all(
+        np.array_equal(a, b) for a, b in zip(kernel_sample_scored(logits, rows, position, every, 5)[1], native_scored)
+    )
 
 
 def test_kernel_attend_refuses_what_it_cannot_read():
