@@ -64,6 +64,18 @@ static inline int any_of(ints mask) {
     return any != 0;
 }
 
+/* a vector's lanes, its first half and its second (__builtin_shufflevector's indices) */
+#if LANES == 16
+#define LOW_HALF 0, 1, 2, 3, 4, 5, 6, 7
+#define HIGH_HALF 8, 9, 10, 11, 12, 13, 14, 15
+#elif LANES == 8
+#define LOW_HALF 0, 1, 2, 3
+#define HIGH_HALF 4, 5, 6, 7
+#else
+#define LOW_HALF 0, 1
+#define HIGH_HALF 2, 3
+#endif
+
 /* half a vector's floats, and as many float64 and their bits */
 typedef float halves __attribute__((vector_size(2 * LANES)));
 typedef double doubles __attribute__((vector_size(4 * LANES)));
@@ -92,14 +104,12 @@ static inline doubles exp_doubles(doubles x) {
    more often than the other). 0 below -87.3, where torch gives denormals that no draw can tell from 0. */
 static inline floats exp_vec(floats x) {
     ints below = x < splat(-87.3f);
-    floats t = blend(below, splat(-87.3f), x), e;
-    halves lo, hi;
-    memcpy(&lo, &t, sizeof lo);
-    memcpy(&hi, (float *)&t + LANES / 2, sizeof hi);
+    floats t = blend(below, splat(-87.3f), x);
+    halves lo = __builtin_shufflevector(t, t, LOW_HALF), hi = __builtin_shufflevector(t, t, HIGH_HALF);
     lo = __builtin_convertvector(exp_doubles(__builtin_convertvector(lo, doubles)), halves);
     hi = __builtin_convertvector(exp_doubles(__builtin_convertvector(hi, doubles)), halves);
-    memcpy(&e, &lo, sizeof lo);
-    memcpy((float *)&e + LANES / 2, &hi, sizeof hi);
+    floats e = __builtin_shufflevector(lo, hi, LOW_HALF, HIGH_HALF); /* in registers: a copy through memory of two
+                                                                          halves stalled the load of the whole */
     return blend(below, splat(0.0f), e);
 }
 
