@@ -10,13 +10,15 @@ candidates from ext/top_k.c (two passes over a row, no sort: 4x as fast as torch
 the core's cut and draw on them; a row with no top-k scaled, weighed and drawn in id order, top-p alone cutting from
 a histogram of its weights instead of a sort of the row. Its tokens are the core's, but where a u falls within the
 rounding of the weights' exp of a boundary (its exp and torch's differ by an ulp in ~1% of values), or among tied
-top-k candidates (the lower id first, where torch's order among ties is its own).
+top-k candidates (the lower id first, where torch's order among ties is its own). Where rows ask for logprobs, the
+same call scores each row as it draws it (sample_scored, ext/logprobs.py's seam): the row read once, and a top-k
+row's likeliest ids its candidates'.
 
 The kernels are built at first use with the system's C compiler (cc, or $CC) into a cache folder, once per source,
 compiler, flags and CPU (they are compiled for the CPU they run on, -march=native), and loaded with ctypes after
 torch, so that their OpenMP threads are torch's (with gcc: its libgomp is the one torch loaded; clang would bring its
 own runtime). Prompt chunks keep SDPA; a float16 pool keeps the core's attention; a GPU is refused. Plugs into the
-paged engine at batch_class and sample. kernel_topk is top_k.c's selection on its own, which the tests hold to a
+paged engine at batch_class and sample, and offers sample_scored. kernel_topk is top_k.c's selection on its own, which the tests hold to a
 stable sort."""
 
 import ctypes
