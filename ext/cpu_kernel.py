@@ -18,8 +18,8 @@ The kernels are built at first use with the system's C compiler (cc, or $CC) int
 compiler, flags and CPU (they are compiled for the CPU they run on, -march=native), and loaded with ctypes after
 torch, so that their OpenMP threads are torch's (with gcc: its libgomp is the one torch loaded; clang would bring its
 own runtime). Prompt chunks keep SDPA; a float16 pool keeps the core's attention; a GPU is refused. Plugs into the
-paged engine at batch_class and sample, and offers sample_scored. kernel_topk is top_k.c's selection on its own, which the tests hold to a
-stable sort."""
+paged engine at batch_class and sample, and offers sample_scored. kernel_topk is top_k.c's selection on its own,
+which the tests hold to a stable sort."""
 
 import ctypes
 import functools
@@ -170,8 +170,8 @@ def kernel_sample_scored(logits, settings, position, scored, width, real="float"
     scored as it is drawn, while it is in the cache (a top-k row's likeliest ids are its candidates'): float32
     logits (R, V) on a CPU -> tokens (R,), and the scores on the host (those of the other rows unset)."""
     R, V = logits.shape
-    if logits.dtype != torch.float32 or not 0 <= width <= V:
-        raise ValueError(f"kernel_sample_scored takes float32 logits and a width in 0..{V}")
+    if logits.dtype != torch.float32 or logits.device.type != "cpu" or not 0 <= width <= V:
+        raise ValueError(f"kernel_sample_scored takes float32 logits on a CPU and a width in 0..{V}")
     out = score_arrays(R, width)
     tokens = draw(logits, settings, position, real, scored.to(torch.uint8).contiguous(), width, out)
     return tokens, [t.numpy() for t in out]

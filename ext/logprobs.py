@@ -18,8 +18,7 @@ share their context's blocks; a position scored once is not scored again after a
 Plugs into the engine at add (a request's PromptLogprobs), check_extensions, cacheable, samplers, batch_class
 (short chunks after cached K/V attend together: ext/padded_chunks.py), sample and append_tokens; under
 compile="kernel" a step with no prompt position to score draws and scores in one call (the kernel engine's
-sample_scored, ext/cpu_kernel.py). Beams report
-their scores instead (ext/forks.py) and take neither."""
+sample_scored, ext/cpu_kernel.py). Beams report their scores instead (ext/forks.py) and take neither."""
 
 import functools
 from collections.abc import Sequence

@@ -686,8 +686,9 @@ struct scores {
 
 /* The row's logsumexp from float32 weights (exp_vec_float), runs of 1,024 summed in float32 (16 sums, id i's in
    sum i % 16) and the runs in float64, and how many of its values are at least target
-   -> log(sum of exp(x - best)) + best. The sums stay in registers: 16 ids a step, the row's last (short) 16 a
-   vector at a time, its padding weighed 0, so that every width sums the same. */
+   -> log(sum of exp(x - best)) + best. The sums are local vectors, which the compiler keeps in registers where the
+   CPU has enough (not indexed by the vector's place: a store and a load a vector): 16 ids a step, the row's last
+   (short) 16 a vector at a time, its padding weighed 0, so that every width sums the same. */
 static float log_total(const float *row, int64_t V, float best, float target, int32_t *at_least) {
     double total = 0;
     ints counted = {0}, lane; /* -1 for each value counted */
@@ -765,10 +766,10 @@ static void draw_row(int64_t r, struct scratch *s, const void *args) {
 
 /* Each row's token. settings (R, 5) float64: sampling.sample's (temperature, top_k, top_p, min_p, seed), read in
    float32 as it reads them; least (R,) float32: each row's log(min_p), torch's; position (R,) int64. Where scored
-   (R,) is not NULL, the rows it marks are scored as score_rows scores them, with their drawn token as the target,
-   into logprob, rank, top_ids and top_logprobs (score_rows' shapes; the other rows' are left as they were): the
-   same bits, but a top-k row's likeliest ids come from its candidates. Returns 0, or -1 where a thread's scratch
-   could not be allocated. */
+   (R,) uint8 is not NULL, the rows it marks are scored as score_rows scores them, with their drawn token as the
+   target, into logprob, rank, top_ids and top_logprobs (score_rows' shapes; the other rows' are left as they
+   were), the same bits (a top-k row's likeliest ids read from its candidates, where top_k.c puts the same ids).
+   Returns 0, or -1 where a thread's scratch could not be allocated. */
 int sample_rows(const float *logits, int64_t R, int64_t V, const double *settings, const float *least,
                 const int64_t *position, int wide, int64_t *tokens, const uint8_t *scored, int64_t width,
                 float *logprob, int32_t *rank, int64_t *top_ids, float *top_logprobs, int num_threads) {
