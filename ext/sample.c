@@ -157,8 +157,10 @@ static void scale_row(const float *row, int64_t n, float best, float temperature
 
 /* w[i] = exp(x[i]) where the draw reads it: a run of 64 values with none at least kept (NaN never is) takes no exp,
    and its w is left as it was: every reader of w reads w[i] only where x[i] >= kept. A peaked row's min-p keeps a
-   few ids: most runs are skipped. (A top-k row's kept is -inf: only runs of NaN are skipped.) */
-static void weigh_kept(const float *x, int64_t n, float kept, float *w) {
+   few ids: most runs are skipped. (A top-k row's kept is -inf: only runs of NaN are skipped.) exact: exp_vec's
+   weights, the draw's; else exp_vec_float's, a third of the time, within 2**-23 of exp_vec's, relative (every float
+   of [-87, 0] checked), for invert_cdf_near. */
+static inline void weigh_kept(const float *x, int64_t n, float kept, int exact, float *w) {
     for (int64_t run = 0; run < n; run += 64) {
         int64_t end = run + 64 < n ? run + 64 : n;
         ints any_kept = {0};
@@ -166,8 +168,10 @@ static void weigh_kept(const float *x, int64_t n, float kept, float *w) {
             any_kept |= load_vec(x, i, end, __builtin_nanf("")) >= splat(kept);
         if (!any_of(any_kept))
             continue;
-        for (int64_t i = run; i < end; i += LANES)
-            store_vec(w + i, exp_vec(load_vec(x, i, end, 0)), end - i < LANES ? end - i : LANES);
+        for (int64_t i = run; i < end; i += LANES) {
+            floats v = load_vec(x, i, end, 0);
+            store_vec(w + i, exact ? exp_vec(v) : exp_vec_float(v), end - i < LANES ? end - i : LANES);
+        }
     }
 }
 
@@ -264,6 +268,46 @@ static int64_t invert_cdf(const float *x, const float *w, int64_t n, float kept,
             return i;
     }
     return n - 1;
+}
+
+/* the core's target, u of the kept weights' sum as it reads it (float32), in its dtype (invert_cdf's) */
+static double target_of(float u, double sum, int wide) {
+    float total = (float)sum;
+    return wide ? (double)u * total : (double)(u * total);
+}
+
+/* invert_cdf's column, from weights w within 2**-23 of its own, relative (weigh_kept's float32 ones), and their
+   block sums: or -1 where that leaves it in doubt. Each sum invert_cdf compares is known within NEAR of itself
+   (the weights' error, and float64 rounding in another order), and so is the target (from the total's); the
+   column is taken only where every comparison invert_cdf makes, each monotone in its sum, comes out the same at
+   either end. The block the target falls in is weighed again with exp_vec, invert_cdf's own weights. */
+#define NEAR 0x1p-22
+static int64_t invert_cdf_near(const float *x, float *w, int64_t n, float kept, float u, int wide,
+                               const double *block_sum) {
+    int64_t blocks = (n + BLOCK - 1) / BLOCK, b = 0;
+    double sum = 0, cdf = 0;
+    for (int64_t c = 0; c < blocks; c++)
+        sum += block_sum[c];
+    double low = target_of(u, sum * (1 - NEAR), wide), high = target_of(u, sum * (1 + NEAR), wide);
+    for (; b < blocks - 1; cdf += block_sum[b++]) {
+        double next = cdf + block_sum[b];
+        if ((float)(next * (1 - NEAR)) > high)
+            break; /* surely past the target */
+        if (!((float)(next * (1 + NEAR)) <= low))
+            return -1; /* in doubt */
+    }
+    int64_t start = b * BLOCK, end = start + BLOCK < n ? start + BLOCK : n;
+    weigh_kept(x + start, end - start, kept, 1, w + start);
+    for (int64_t i = start; i < end; i++) {
+        if (!(x[i] >= kept))
+            continue;
+        cdf += w[i];
+        if ((float)(cdf * (1 - NEAR)) > high)
+            return i;
+        if (!((float)(cdf * (1 + NEAR)) <= low))
+            return -1;
+    }
+    return -1; /* the block's end: invert_cdf walks on, or takes n - 1 */
 }
 
 /* cut_sorted's walk over x[0..n), sorted best first, while not below floor: the mass before each value (*before: the
@@ -365,7 +409,7 @@ static int64_t draw_top_k(const float *row, int64_t V, int64_t k, float temperat
         int64_t G = groups_for(K, V);
         top_k_row(row, V, K, G, s->keys, 2 * K + 1024, s->group_max, s->values, s->ids);
         scale_row(s->values, K, s->values[0], temperature, -__builtin_inff(), s->x);
-        weigh_kept(s->x, K, -__builtin_inff(), s->w);
+        weigh_kept(s->x, K, -__builtin_inff(), 1, s->w);
         if (K < V && s->x[K - 1] >= s->x[k - 1]) {
             K = 2 * (K - 1) + 1 < V ? 2 * (K - 1) + 1 : V;
             continue;
@@ -584,7 +628,7 @@ static int64_t draw_top_p_peaked(const float *row, int64_t V, float temperature,
         return -1;
     for (int64_t j = 0; j < n; j++) /* scaled as the core scales them */
         s->window[j] = (s->window[j] - best) / temperature;
-    weigh_kept(s->window, n, -__builtin_inff(), s->w);
+    weigh_kept(s->window, n, -__builtin_inff(), 1, s->w);
     /* The core's target lies within low..high. The rest's weights, each this file's float32 exp of a product, and
        of a difference from the best so far where the best rose (a value x off by up to ~5 |x| ulps, which move its
        weight by as many), are within 2**-16 of the core's down to 50 nats; past 40 nats they weigh below 1e-17
@@ -628,12 +672,17 @@ static int64_t draw_uncut(const float *row, int64_t V, float temperature, float 
         low = low > FLOOR && low < 0 ? low : FLOOR;
         scale_into_buckets(row, V, best, temperature, low, s);
         kept = cut_top_p(s->x, V, top_p, least, smallest, s);
-    } else {
+    } else { /* float32 weights first: the draw from them stands where no rounding could move it */
         for (int64_t start = 0; start < V; start += 2048) { /* weighed while the values are in the L1 cache */
             int64_t n = start + 2048 < V ? 2048 : V - start;
             scale_row(row + start, n, best, temperature, FLOOR, s->x + start);
-            weigh_kept(s->x + start, n, least, s->w + start);
+            weigh_kept(s->x + start, n, least, 0, s->w + start);
         }
+        block_sums(s->x, s->w, V, kept, s->block_sum);
+        id = nan || !isfinite(best) ? -1 : invert_cdf_near(s->x, s->w, V, kept, u, wide, s->block_sum);
+        if (id >= 0)
+            return id;
+        weigh_kept(s->x, V, least, 1, s->w);
     }
     block_sums(s->x, s->w, V, kept, s->block_sum);
     return invert_cdf(s->x, s->w, V, kept, u, wide, s->block_sum);

@@ -351,6 +351,30 @@ def test_the_kernels_draw_equals_the_cores_on_every_setting(scale):
         torch.set_default_dtype(default)
 
 
+def test_a_flat_rows_draw_from_float32_weights_stands_only_where_rounding_cannot_move_it():
+    """Rows with no top-k or top-p draw from float32 weights first (invert_cdf_near) and keep that column only
+    where the float64 weights' draw surely takes it too; ~3% of draws on these flat rows (each id ~1/50,000 of the
+    mass) fall within the bound of a boundary and are drawn again from float64 weights. Every draw is the core's,
+    at both dtypes of the target, and at a vocabulary whose last block is short."""
+    g = torch.Generator().manual_seed(11)
+    for V, scale, (temperature, min_p) in [
+        (50304, 0.7, (1.0, 0.0)),
+        (50257, 0.1, (1.0, 0.0)),
+        (20000, 0.7, (0.8, 0.05)),
+    ]:
+        logits = torch.randn(128, V, generator=g) * scale
+        rows = settings_rows(128, temperature, 0, 1.0, min_p, seed=V)
+        for _ in range(3):
+            position = torch.randint(0, 10**6, (128,), generator=g)
+            assert torch.equal(kernel_sample(logits, rows, position), core_sample(logits, rows, position))
+    default = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch.float64)
+        assert torch.equal(kernel_sample(logits, rows, position), core_sample(logits, rows, position))
+    finally:
+        torch.set_default_dtype(default)
+
+
 def test_the_kernels_draw_is_each_rows_own_and_picks_among_ties_by_value():
     """A row draws the same token alone as among others. Of tied values (bf16 logits), a top-k row may take
     another id than the core, never another value; a row with no top-k draws in id order, the core's token. A
