@@ -6,7 +6,8 @@
    top_k.c; top-p alone, on a peaked row, takes its cut from the few values within 8 nats of the best, the rest
    weighed in float32 (draw_top_p_peaked), and elsewhere from a histogram of the row's weights, sorting (by radix)
    only the bucket the cut falls in and its nonempty neighbours; a row without either weighs only the runs of 64 ids
-   that hold one that its min-p keeps (weigh_kept).
+   that hold one that its min-p keeps (weigh_kept), in float32 first, and draws from those weights where no rounding
+   could move its column (invert_cdf_near).
    The values it compares are the core's, bit for bit (the same float32 subtractions and divisions, sums in
    float64 stored as float32, as torch's CPU cumsum does); the weights are this file's exp, correctly rounded
    nearly always (torch's differs from it by an ulp in ~1% of values), and the long sums run in another order: a
