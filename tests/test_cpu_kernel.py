@@ -7,6 +7,7 @@ every sampling setting, and its scores logprobs' own within float32's rounding; 
 stable sort. A missing compiler or a failed build is one line."""
 
 import copy
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +36,17 @@ from harness.metrics import agreement
 from paged import gather_attend
 from sampling import sample, uniform
 from sequence import Request, SamplingParams
+
+
+@contextmanager
+def float64_default():
+    """torch's default dtype float64 inside (the core's u and its draw's target follow it), as it was after."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(default)
 
 
 def random_rows(B, H, D, block_size, num_blocks, dtype, seed=0):
@@ -293,13 +305,9 @@ def test_a_float64_engine_takes_its_top_k_from_the_one_library_it_built(model, f
     engine = ServingEngine(model, num_blocks=20, compile="kernel")
     run_engine(engine, make_requests([[1, 2, 3], [4, 5]], [4, 3], 0.9, 5), check=True)
     assert [path.name.split("_")[2] for path in fresh_cache.glob("*.so")] == ["double"]
-    default = torch.get_default_dtype()
-    try:
-        torch.set_default_dtype(torch.float64)
+    with float64_default():
         x = torch.randn(2, 50, dtype=torch.float32)
         assert torch.equal(kernel_topk(x, 7, real="double")[0], torch.topk(x, 7).values)
-    finally:
-        torch.set_default_dtype(default)
 
 
 def core_sample(logits, settings, position):
@@ -343,12 +351,8 @@ def test_the_kernels_draw_equals_the_cores_on_every_setting(scale):
     mixed = torch.cat([settings_rows(R // len(SETTINGS) + 1, *c, seed=i) for i, c in enumerate(SETTINGS)])[:R]
     for rows in [settings_rows(R, *c, seed=3) for c in SETTINGS] + [mixed]:
         assert torch.equal(kernel_sample(logits, rows, position), core_sample(logits, rows, position))
-    default = torch.get_default_dtype()
-    try:
-        torch.set_default_dtype(torch.float64)
+    with float64_default():
         assert torch.equal(kernel_sample(logits, mixed, position), core_sample(logits, mixed, position))
-    finally:
-        torch.set_default_dtype(default)
 
 
 def test_a_flat_rows_draw_from_float32_weights_stands_only_where_rounding_cannot_move_it():
@@ -367,12 +371,8 @@ def test_a_flat_rows_draw_from_float32_weights_stands_only_where_rounding_cannot
         for _ in range(3):
             position = torch.randint(0, 10**6, (128,), generator=g)
             assert torch.equal(kernel_sample(logits, rows, position), core_sample(logits, rows, position))
-    default = torch.get_default_dtype()
-    try:
-        torch.set_default_dtype(torch.float64)
+    with float64_default():
         assert torch.equal(kernel_sample(logits, rows, position), core_sample(logits, rows, position))
-    finally:
-        torch.set_default_dtype(default)
 
 
 def test_the_kernels_draw_is_each_rows_own_and_picks_among_ties_by_value():
