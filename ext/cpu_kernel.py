@@ -104,9 +104,10 @@ def load_kernel(real="float"):
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     kernels.decode_attend.argtypes = [pointer] * 6 + [size] * 6 + [ctypes.c_double, ctypes.c_int, ctypes.c_int]
     kernels.top_k.argtypes = [pointer, size, size, size, pointer, pointer, ctypes.c_int]
-    kernels.sample_rows.argtypes = [pointer, size, size, *[pointer] * 3, ctypes.c_int, pointer, pointer, size]
-    kernels.sample_rows.argtypes += [*[pointer] * 4, ctypes.c_int]
-    kernels.score_rows.argtypes = [pointer, size, size, pointer, size, *[pointer] * 4, ctypes.c_int]
+    scores = [size, *[pointer] * 4]  # score_rows' width and outputs
+    draws = [pointer, size, size, *[pointer] * 3, ctypes.c_int, pointer]  # logits, R, V, ..., wide, tokens
+    kernels.sample_rows.argtypes = [*draws, pointer, *scores, ctypes.c_int]  # scored, width, outputs, threads
+    kernels.score_rows.argtypes = [pointer, size, size, pointer, *scores, ctypes.c_int]
     for kernel in (kernels.decode_attend, kernels.top_k, kernels.sample_rows, kernels.score_rows):
         kernel.restype = ctypes.c_int
     return kernels
@@ -187,10 +188,11 @@ def draw(logits, settings, position, real, scored=None, width=0, out=None):
     wide = int(torch.get_default_dtype() == torch.float64)  # the core's u, and its draw's target, in that dtype
     x = logits.float().contiguous()
     pointers = [t.data_ptr() for t in (settings, least, position)]
-    scores = [t.data_ptr() for t in (scored, *out)] if out else [None] * 5
+    marked = None if scored is None else scored.data_ptr()
+    outputs = [t.data_ptr() for t in out] if out else [None] * 4
     sample_rows = load_kernel(real).sample_rows
     if sample_rows(
-        x.data_ptr(), R, V, *pointers, wide, tokens.data_ptr(), scores[0], width, *scores[1:], torch.get_num_threads()
+        x.data_ptr(), R, V, *pointers, wide, tokens.data_ptr(), marked, width, *outputs, torch.get_num_threads()
     ):
         raise MemoryError(f"sample_rows' scratch: rows of {V} ids")
     return tokens
