@@ -114,9 +114,10 @@ static inline floats exp_vec(floats x) {
     return blend(below, splat(0.0f), e);
 }
 
-/* exp(x) of x <= 0 in float32 (Cephes' expf's polynomial, n rounded as exp_doubles rounds it): within an ulp or
-   two of exp_vec's, three times as fast, for a logsumexp, where no draw compares its rounding. x below -87.3 (-inf
-   too) weighs e**-87.3, ~1.2e-38: nothing beside the row's best, whose weight is 1. */
+/* exp(x) of x <= 0 in float32 (Cephes' expf's polynomial, n rounded as exp_doubles rounds it), three times as fast
+   as exp_vec: on [-87, 0] within 2**-23 of exp_vec's, relative (tests/test_cpu_kernel.py checks every float there,
+   as this CPU's build computes it), which invert_cdf_near's bound rests on; a logsumexp reads it too. x below -87.3
+   (-inf too) weighs e**-87.3, ~1.2e-38: nothing beside the row's best, whose weight is 1. */
 static inline floats exp_vec_float(floats x) {
     const float round = 0x1.8p23f;
     floats t = blend(x < splat(-87.3f), splat(-87.3f), x); /* NaN stays */
@@ -279,7 +280,7 @@ static double target_of(float u, double sum, int wide) {
 
 /* invert_cdf's column, from weights w within 2**-23 of its own, relative (weigh_kept's float32 ones), and their
    block sums: or -1 where that leaves it in doubt. Each sum invert_cdf compares is known within NEAR of itself
-   (the weights' error, and float64 rounding in another order), and so is the target (from the total's); the
+   (the weights' error, and float64 rounding of other values), and so is the target (from the total's); the
    column is taken only where every comparison invert_cdf makes, each monotone in its sum, comes out the same at
    either end. The block the target falls in is weighed again with exp_vec, invert_cdf's own weights. */
 #define NEAR 0x1p-22

@@ -7,6 +7,9 @@ every sampling setting, and its scores logprobs' own within float32's rounding; 
 stable sort. A missing compiler or a failed build is one line."""
 
 import copy
+import os
+import shlex
+import subprocess
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -373,6 +376,44 @@ def test_a_flat_rows_draw_from_float32_weights_stands_only_where_rounding_cannot
             assert torch.equal(kernel_sample(logits, rows, position), core_sample(logits, rows, position))
     with float64_default():
         assert torch.equal(kernel_sample(logits, rows, position), core_sample(logits, rows, position))
+
+
+EXP_GAP = r"""
+#include <stdio.h>
+#include "%s"
+int main(void) { /* the largest gap between exp_vec_float and exp_vec on [-87, 0], relative to exp_vec's */
+    uint32_t last; float floor = -87.0f;
+    memcpy(&last, &floor, 4);
+    double worst = 0;
+#pragma omp parallel for reduction(max : worst)
+    for (int64_t b = 0x80000000u; b <= last; b += LANES) {
+        floats v;
+        for (int j = 0; j < LANES; j++) {
+            uint32_t bits = b + j <= last ? (uint32_t)(b + j) : last;
+            memcpy(&v[j], &bits, 4);
+        }
+        floats a = exp_vec_float(v), e = exp_vec(v);
+        for (int j = 0; j < LANES; j++)
+            worst = fmax(worst, fabs((double)a[j] - e[j]) / e[j]);
+    }
+    printf("%%.17g\n", worst);
+}
+"""
+
+
+def test_the_float32_exp_is_within_2_to_the_minus_23_of_the_float64_one_on_every_scaled_value(tmp_path):
+    """invert_cdf_near's bound (NEAR, 2**-22) rests on every float32 weight lying within 2**-23 of its float64 one,
+    relative, for every scaled value a row without top-k or top-p holds ([-87, 0]): checked for every float there,
+    as this CPU's build of ext/sample.c computes them (the compiler's contractions into FMA are its own)."""
+    source = tmp_path / "exp_gap.c"
+    source.write_text(EXP_GAP % Path(cpu_kernel.__file__).with_name("sample.c"))
+    compiler = shlex.split(os.environ.get("CC") or "cc")
+    flags = [f for f in cpu_kernel.FLAGS if f not in ("-shared", "-fPIC")] + cpu_kernel.BUILD_FLAGS["float"]
+    top_k = Path(cpu_kernel.__file__).with_name("top_k.c")
+    command = [*compiler, *flags, str(source), str(top_k), "-o", str(tmp_path / "exp_gap"), "-lm"]
+    subprocess.run(command, check=True, capture_output=True)
+    worst = float(subprocess.run([str(tmp_path / "exp_gap")], check=True, capture_output=True, text=True).stdout)
+    assert 0 < worst <= 2**-23, worst
 
 
 def test_the_kernels_draw_is_each_rows_own_and_picks_among_ties_by_value():
