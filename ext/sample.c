@@ -55,14 +55,22 @@ static inline floats blend(ints mask, floats yes, floats no) {
     return (floats)((mask & (ints)yes) | (~mask & (ints)no));
 }
 
-/* whether any lane of mask is set: its lanes OR-ed as pairs, half the steps of one at a time */
+/* whether any lane of mask is set: its halves OR-ed down to 16 bytes, in registers, then its two 64-bit halves */
 static inline int any_of(ints mask) {
-    typedef int64_t pairs __attribute__((vector_size(4 * LANES)));
-    pairs p = (pairs)mask;
-    int64_t any = 0;
-    for (int j = 0; j < LANES / 2; j++)
-        any |= p[j];
-    return any != 0;
+    typedef int32_t quad __attribute__((vector_size(16)));
+    typedef int64_t pair __attribute__((vector_size(16)));
+#if LANES == 16
+    typedef int32_t eight __attribute__((vector_size(32)));
+    eight half = __builtin_shufflevector(mask, mask, 0, 1, 2, 3, 4, 5, 6, 7) |
+                 __builtin_shufflevector(mask, mask, 8, 9, 10, 11, 12, 13, 14, 15);
+    quad q = __builtin_shufflevector(half, half, 0, 1, 2, 3) | __builtin_shufflevector(half, half, 4, 5, 6, 7);
+#elif LANES == 8
+    quad q = __builtin_shufflevector(mask, mask, 0, 1, 2, 3) | __builtin_shufflevector(mask, mask, 4, 5, 6, 7);
+#else
+    quad q = mask;
+#endif
+    pair p = (pair)q;
+    return (p[0] | p[1]) != 0;
 }
 
 /* a vector's lanes, its first half and its second (__builtin_shufflevector's indices) */
@@ -351,7 +359,7 @@ static float cut_sorted(const float *x, const float *w, int64_t n, int64_t k, fl
     return max_of(max_of(kth, least), last_kept);
 }
 
-/* Per thread: a cut-free row's scaled values, weights and buckets; a top-k row's candidates and top_k.c's buffers;
+/* Per thread: a cut-free row's scaled values and weights; a top-k row's candidates and top_k.c's buffers;
    top-p's histogram and window; the draw's block sums. */
 struct scratch {
     float *x, *w, *values, *group_max, *window;
@@ -359,7 +367,6 @@ struct scratch {
     int64_t sorted; /* how many of the row's best values lie in values and ids, best first (a top-k row's draw's) */
     uint64_t *keys;
     double *bucket_mass, *block_sum;
-    int32_t *bucket;
 };
 
 static pthread_key_t scratch_key;
@@ -376,7 +383,7 @@ static int scratch_for(int64_t V, struct scratch *s) {
     if (!block || block[0] != V) {
         free(block);
         block = malloc(sizeof(int64_t) * (1 + V) + sizeof(uint64_t) * keys + sizeof(double) * (BUCKETS + blocks) +
-                       sizeof(float) * (4 * V + G) + sizeof(int32_t) * V);
+                       sizeof(float) * (4 * V + G));
         pthread_setspecific(scratch_key, block);
         if (!block)
             return 0;
@@ -391,7 +398,6 @@ static int scratch_for(int64_t V, struct scratch *s) {
     s->values = s->w + V;
     s->window = s->values + V;
     s->group_max = s->window + V;
-    s->bucket = (int32_t *)(s->group_max + G);
     return 1;
 }
 
@@ -445,34 +451,48 @@ static void sort_descending(float *x, int64_t n, uint32_t *tmp) {
         key[i] = key[i] & 0x80000000u ? key[i] : ~key[i] & 0x7FFFFFFFu;
 }
 
-/* scale_row's x, and every value's weight w, for a top-p row, and in the same pass each value's bucket (the
-   histogram's: [low, 0] cut into BUCKETS - 1, the best first; values at FLOOR and NaN in the last) and its weight
-   summed into mass */
-static void scale_into_buckets(const float *row, int64_t n, float best, float temperature, float low,
-                               struct scratch *s) {
-    float scale = (BUCKETS - 1) / -low;
-    double *mass = s->bucket_mass;
-    memset(mass, 0, sizeof(double) * BUCKETS);
-    for (int64_t i = 0; i < n; i += LANES) {
-        int64_t m = n - i < LANES ? n - i : LANES;
-        floats v = load_vec(row, i, n, best);
-        v = (v - best) / temperature;
-        v = blend(v < splat(FLOOR), splat(FLOOR), v);
-        floats e = exp_vec(v);
-        ints b = __builtin_convertvector(-v * scale, ints);
-        b = (ints)blend((b >= 0) & (b < BUCKETS - 1) & (v > splat(FLOOR)), (floats)b, (floats)(b * 0 + BUCKETS - 1));
-        store_vec(s->x + i, v, m);
-        store_vec(s->w + i, e, m);
-        store_vec(s->bucket + i, (floats)b, m);
-    }
-    for (int64_t i = 0; i < n; i++) /* from memory: a lane of a vector register is a trip through the stack */
-        mass[s->bucket[i]] += s->w[i];
+/* the histogram's bucket of each scaled value: [low, 0] cut into BUCKETS - 1, the best first (scale: their number
+   over -low); values at FLOOR and NaN in the last */
+static inline ints bucket_of(floats v, float scale) {
+    ints b = __builtin_convertvector(-v * scale, ints);
+    return (ints)blend((b >= 0) & (b < BUCKETS - 1) & (v > splat(FLOOR)), (floats)b, (floats)(b * 0 + BUCKETS - 1));
 }
 
-/* Top-p alone: the least value kept, cut_sorted's over the row sorted, without sorting it. The row's weights go
-   into buckets of its scaled values; the bucket where their mass reaches top_p of the whole holds the cut, and it
-   is sorted, with the nonempty buckets on either side, and walked as cut_sorted walks the row. */
-static float cut_top_p(const float *x, int64_t V, float top_p, float least, float smallest, struct scratch *s) {
+/* scale_row's x, and every value's weight w, for a top-p row, and in the same pass each value's weight summed into
+   its bucket's mass, 256 ids at a time (their buckets kept in the L1 cache). exact: exp_vec's weights, else
+   exp_vec_float's (weigh_kept's). */
+static void scale_into_buckets(const float *row, int64_t n, float best, float temperature, float scale, int exact,
+                               struct scratch *s) {
+    double *mass = s->bucket_mass;
+    memset(mass, 0, sizeof(double) * BUCKETS);
+    for (int64_t start = 0; start < n; start += 256) {
+        int64_t end = start + 256 < n ? start + 256 : n;
+        int32_t bucket[256];
+        for (int64_t i = start; i < end; i += LANES) {
+            int64_t m = end - i < LANES ? end - i : LANES;
+            floats v = load_vec(row, i, end, best);
+            v = (v - best) / temperature;
+            v = blend(v < splat(FLOOR), splat(FLOOR), v);
+            store_vec(s->x + i, v, m);
+            store_vec(s->w + i, exact ? exp_vec(v) : exp_vec_float(v), m);
+            store_vec(bucket + (i - start), (floats)bucket_of(v, scale), m);
+        }
+        for (int64_t i = start; i < end; i++) /* from memory: a lane of a vector register is a trip through the stack */
+            mass[bucket[i - start]] += s->w[i];
+    }
+}
+
+/* the lanes of v outside [lower, upper] (NaN is not) */
+static inline ints outside(floats v, float lower, float upper) { return (v > splat(upper)) | (v < splat(lower)); }
+
+/* Top-p alone: the least value kept, cut_sorted's over the row sorted, without sorting it, into *kept. The row's
+   weights go into buckets of its scaled values; the bucket where their mass reaches top_p of the whole holds the
+   cut, and it is sorted, with the nonempty buckets on either side, and walked as cut_sorted walks the row. near:
+   the weights' error, relative (0 for exp_vec's; NEAR for exp_vec_float's, as invert_cdf_near reads them). The
+   window is walked twice, with the mass before it and the target at the ends of their intervals that stop the walk
+   soonest and latest -> 1 where both stop at the same value (past the window's first), the core's stop; else 0. */
+static int cut_top_p(const float *x, int64_t V, float scale, float top_p, float least, float smallest, double near,
+                     float *kept, struct scratch *s) {
     double *mass = s->bucket_mass, total = 0, before = 0;
     for (int b = 0; b < BUCKETS; b++)
         total += mass[b];
@@ -492,26 +512,39 @@ static float cut_top_p(const float *x, int64_t V, float top_p, float least, floa
         hi++;
     if (hi < BUCKETS - 1)
         hi++; /* the nonempty bucket after: the first past the target may be its largest */
+    /* A bucket falls as its values rise (NaN aside): the window's values lie in [lower, upper], each widened past the
+       product's rounding. A run of 64 is tested against those, then the vectors of a run with one there (or NaN)
+       bucket by bucket. */
+    float upper = -lo / scale, lower = hi < BUCKETS - 1 ? -(hi + 1) / scale : -__builtin_inff();
+    upper -= upper * 0x1p-20f, lower += lower * 0x1p-20f;
     int64_t n = 0;
-    for (int64_t i = 0; i < V; i += LANES) { /* a vector's buckets tested at once: few hold one of the window's */
-        int64_t m = V - i < LANES ? V - i : LANES;
-        ints b = (ints){0} + lo;
-        if (m == LANES)
-            memcpy(&b, s->bucket + i, sizeof b);
-        else
-            memcpy(&b, s->bucket + i, sizeof(int32_t) * m);
-        int any = any_of((b >= lo) & (b <= hi));
-        for (int64_t j = i; any && j < i + m; j++) {
-            s->window[n] = x[j];
-            n += s->bucket[j] >= lo && s->bucket[j] <= hi;
+    for (int64_t run = 0; run < V; run += 64) {
+        int64_t end = run + 64 < V ? run + 64 : V;
+        ints out = ~(ints){0};
+        for (int64_t i = run; i < end; i += LANES) /* padded with x[i] */
+            out &= outside(load_vec(x, i, end, x[i]), lower, upper);
+        for (int64_t i = run; any_of(~out) && i < end; i += LANES) {
+            floats v = load_vec(x, i, end, x[i]);
+            if (!any_of(~outside(v, lower, upper)))
+                continue;
+            ints bucket = bucket_of(v, scale), in = (bucket >= lo) & (bucket <= hi);
+            for (int64_t j = 0; j < LANES && i + j < end; j++) {
+                s->window[n] = x[i + j];
+                n += in[j] != 0;
+            }
         }
     }
     sort_descending(s->window, n, (uint32_t *)s->ids);
-    float last_kept = n ? s->window[0] : smallest, reached;
-    int64_t i = walk(s->window, n, -__builtin_inff(), target, &before, &last_kept, &reached);
+    double before_soon = before * (1 + near), before_late = before * (1 - near);
+    float last_kept = n ? s->window[0] : smallest, last_kept_late = last_kept, reached;
+    int64_t i = walk(s->window, n, -__builtin_inff(), top_p * (float)(total * (1 - near)), &before_soon, &last_kept,
+                     &reached);
+    int64_t late = walk(s->window, n, -__builtin_inff(), top_p * (float)(total * (1 + near)), &before_late,
+                        &last_kept_late, &reached);
     if (i == n && hi == BUCKETS - 1)
         last_kept = smallest; /* none past the target: the core's search ends on the row's last */
-    return max_of(max_of(smallest, least), last_kept);
+    *kept = max_of(max_of(smallest, least), last_kept);
+    return near == 0 || (i == late && i > 0 && (i < n || hi == BUCKETS - 1));
 }
 
 /* a run of 64 logits from x[run..V): a pointer into x, or tail holding the last run padded with -inf */
@@ -657,36 +690,54 @@ static int64_t draw_top_p_peaked(const float *row, int64_t V, float temperature,
     return s->ids[j];
 }
 
+/* top-p alone's least value kept (cut_top_p), from float32 weights first where near, and else, or where that cut is
+   in doubt, from exp_vec's (*rough then 0): s->x and s->w then hold the row's values and the weights it was cut by */
+static float top_p_kept(const float *row, int64_t V, float best, float lowest, float lowest_finite, float temperature,
+                        float top_p, float least, int near, int *rough, struct scratch *s) {
+    float smallest = (lowest - best) / temperature, low = (lowest_finite - best) / temperature, kept;
+    smallest = smallest < FLOOR ? FLOOR : smallest; /* the least scaled value (the core's kth) */
+    low = low > FLOOR && low < 0 ? low : FLOOR;      /* the histogram's range */
+    float scale = (BUCKETS - 1) / -low;
+    if (near) {
+        scale_into_buckets(row, V, best, temperature, scale, 0, s);
+        if (cut_top_p(s->x, V, scale, top_p, least, smallest, NEAR, &kept, s))
+            return kept;
+    }
+    *rough = 0;
+    scale_into_buckets(row, V, best, temperature, scale, 1, s);
+    cut_top_p(s->x, V, scale, top_p, least, smallest, 0, &kept, s);
+    return kept;
+}
+
 /* A row with no top_k: every id's scaled value, clamped as the core clamps them, in id order (top-p on a peaked
-   row: draw_top_p_peaked's few). */
+   row: draw_top_p_peaked's few). Weighed in float32 first: where the row holds no NaN and its best is finite, the
+   cut and the draw from those weights stand where no rounding could move them (cut_top_p, invert_cdf_near); else
+   the row is weighed again with exp_vec. */
 static int64_t draw_uncut(const float *row, int64_t V, float temperature, float top_p, float least, float u, int wide,
                           struct scratch *s) {
     int64_t id = top_p < 1 ? draw_top_p_peaked(row, V, temperature, top_p, least, u, wide, s) : -1;
     if (id >= 0)
         return id;
-    int nan;
-    float lowest, lowest_finite, best = row_range(row, V, &nan, &lowest, &lowest_finite);
+    int nan, rough = 1; /* rough: s->w holds float32 weights */
+    float lowest, lowest_finite, best = row_range(row, V, &nan, &lowest, &lowest_finite), kept = least;
     best = nan ? __builtin_nanf("") : best; /* torch's amax: NaN wins */
-    float kept = least;
-    if (top_p < 1) { /* the least scaled value (the core's kth), and the histogram's range */
-        float smallest = (lowest - best) / temperature, low = (lowest_finite - best) / temperature;
-        smallest = smallest < FLOOR ? FLOOR : smallest;
-        low = low > FLOOR && low < 0 ? low : FLOOR;
-        scale_into_buckets(row, V, best, temperature, low, s);
-        kept = cut_top_p(s->x, V, top_p, least, smallest, s);
-    } else { /* float32 weights first: the draw from them stands where no rounding could move it */
+    int near = !nan && isfinite(best);
+    if (top_p < 1)
+        kept = top_p_kept(row, V, best, lowest, lowest_finite, temperature, top_p, least, near, &rough, s);
+    else
         for (int64_t start = 0; start < V; start += 2048) { /* weighed while the values are in the L1 cache */
             int64_t n = start + 2048 < V ? 2048 : V - start;
             scale_row(row + start, n, best, temperature, FLOOR, s->x + start);
             weigh_kept(s->x + start, n, least, 0, s->w + start);
         }
-        block_sums(s->x, s->w, V, kept, s->block_sum);
-        id = nan || !isfinite(best) ? -1 : invert_cdf_near(s->x, s->w, V, kept, u, wide, s->block_sum);
-        if (id >= 0)
-            return id;
-        weigh_kept(s->x, V, least, 1, s->w);
-    }
     block_sums(s->x, s->w, V, kept, s->block_sum);
+    id = near && rough ? invert_cdf_near(s->x, s->w, V, kept, u, wide, s->block_sum) : -1;
+    if (id >= 0)
+        return id;
+    if (rough) {
+        weigh_kept(s->x, V, kept, 1, s->w);
+        block_sums(s->x, s->w, V, kept, s->block_sum);
+    }
     return invert_cdf(s->x, s->w, V, kept, u, wide, s->block_sum);
 }
 

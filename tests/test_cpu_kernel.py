@@ -401,19 +401,74 @@ int main(void) { /* the largest gap between exp_vec_float and exp_vec on [-87, 0
 """
 
 
-def test_the_float32_exp_is_within_2_to_the_minus_23_of_the_float64_one_on_every_scaled_value(tmp_path):
-    """invert_cdf_near's bound (NEAR, 2**-22) rests on every float32 weight lying within 2**-23 of its float64 one,
-    relative, for every scaled value a row without top-k or top-p holds ([-87, 0]): checked for every float there,
-    as this CPU's build of ext/sample.c computes them (the compiler's contractions into FMA are its own)."""
-    source = tmp_path / "exp_gap.c"
-    source.write_text(EXP_GAP % Path(cpu_kernel.__file__).with_name("sample.c"))
+def run_probe(tmp_path, code):
+    """code: a C program that includes ext/sample.c (its path at %s), built as this CPU's kernel is -> its output."""
+    source = tmp_path / "probe.c"
+    source.write_text(code % Path(cpu_kernel.__file__).with_name("sample.c"))
     compiler = shlex.split(os.environ.get("CC") or "cc")
     flags = [f for f in cpu_kernel.FLAGS if f not in ("-shared", "-fPIC")] + cpu_kernel.BUILD_FLAGS["float"]
     top_k = Path(cpu_kernel.__file__).with_name("top_k.c")
-    command = [*compiler, *flags, str(source), str(top_k), "-o", str(tmp_path / "exp_gap"), "-lm"]
+    command = [*compiler, *flags, str(source), str(top_k), "-o", str(tmp_path / "probe"), "-lm"]
     subprocess.run(command, check=True, capture_output=True)
-    worst = float(subprocess.run([str(tmp_path / "exp_gap")], check=True, capture_output=True, text=True).stdout)
+    return subprocess.run([str(tmp_path / "probe")], check=True, capture_output=True, text=True).stdout
+
+
+def test_the_float32_exp_is_within_2_to_the_minus_23_of_the_float64_one_on_every_scaled_value(tmp_path):
+    """invert_cdf_near's bound (NEAR, 2**-22) rests on every float32 weight lying within 2**-23 of its float64 one,
+    relative, for every scaled value a row without top-k holds ([-87, 0]): checked for every float there, as this
+    CPU's build of ext/sample.c computes them (the compiler's contractions into FMA are its own)."""
+    worst = float(run_probe(tmp_path, EXP_GAP))
     assert 0 < worst <= 2**-23, worst
+
+
+ONE_WAY = r"""
+#include <stdio.h>
+#include "%s"
+int main(void) { /* floats of [-6, -1], from an LCG, whose float32 weight is an ulp above exp_vec's (1) or below (0) */
+    uint32_t state = 12345, shown[2] = {0, 0};
+    while (shown[0] < 6000 || shown[1] < 6000) {
+        state = state * 1664525u + 1013904223u;
+        float x = -1.0f - 5.0f * (float)(state >> 8) / 16777216.0f;
+        float a = exp_vec_float(splat(x))[0], e = exp_vec(splat(x))[0];
+        if (a != e && shown[a > e] < 6000) {
+            printf("%%d %%.9g\n", a > e, x);
+            shown[a > e]++;
+        }
+    }
+}
+"""
+
+
+def test_top_p_on_flat_rows_cuts_from_float32_weights_only_where_rounding_cannot_move_the_cut(tmp_path):
+    """Top-p on a flat row cuts from float32 weights first (cut_top_p), and keeps that cut only where the float64
+    weights' cut is surely the same. Rows whose values above -2.5 all have float32 weights an ulp above their float64
+    ones, and those below an ulp below, or the other way round (the mass before a cut there errs one way and about
+    as much after it the other), each value's torch exp the correctly rounded one (as the kernel's float64 exp
+    nearly always is), at the 24 float32 top_p values around each of 8 of the core's cuts among the last values
+    above -2.5: every draw is the core's (with the bound's margin dropped from cut_top_p, 3 of the 384 differ)."""
+    side, x = np.loadtxt(run_probe(tmp_path, ONE_WAY).splitlines(), unpack=True)
+    values = torch.tensor(x, dtype=torch.float32)
+    one_way = [values[(torch.tensor(side) == s) & (values.exp() == values.double().exp().float())] for s in (0, 1)]
+    for high, low in [one_way, one_way[::-1]]:
+        row = torch.cat([torch.zeros(1), high[high > -2.5][:1000], low[(low < -2.5) & (low > -4.5)][:4000]])
+        ranked = row.sort(descending=True).values
+        p = ranked.exp()
+        mass = p.cumsum(0)
+        boundaries = (mass - p) / mass[-1]  # the core's walk stops where top_p of the sum reaches one of these
+        last_high = int((ranked > -2.5).sum())
+        top_ps = []
+        for i in range(last_high - 200, last_high, 25):
+            step = np.float32(boundaries[i].item())
+            for _ in range(12):
+                step = np.nextafter(step, np.float32(0))
+            for _ in range(24):
+                top_ps.append(float(step))
+                step = np.nextafter(step, np.float32(1))
+        R = len(top_ps)
+        logits = row.expand(R, -1).contiguous()
+        settings = torch.tensor([[1.0, 0, top_p, 0.0, 5 + i] for i, top_p in enumerate(top_ps)], dtype=torch.float64)
+        position = torch.arange(R)
+        assert torch.equal(kernel_sample(logits, settings, position), core_sample(logits, settings, position))
 
 
 def test_the_kernels_draw_is_each_rows_own_and_picks_among_ties_by_value():
