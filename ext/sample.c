@@ -213,6 +213,27 @@ static float row_range(const float *x, int64_t n, int *nan, float *least, float 
     return largest;
 }
 
+/* A row's largest value, NaN ignored, two vectors at a time (two chains of compares, each half as long as
+   row_range's): row_range's, for a row that needs no least; *nan: whether any is NaN */
+static float row_best(const float *x, int64_t n, int *nan) {
+    floats even = splat(x[0]), odd = even;
+    ints any_nan = {0};
+    for (int64_t i = 0; i < n; i += 2 * LANES) {
+        floats a = load_vec(x, i, n, x[0]), b = i + LANES < n ? load_vec(x, i + LANES, n, x[0]) : splat(x[0]);
+        even = blend(a > even, a, even);
+        odd = blend(b > odd, b, odd);
+        any_nan |= (a != a) | (b != b);
+    }
+    float best = even[0];
+    *nan = 0;
+    for (int j = 0; j < LANES; j++) {
+        best = even[j] > best ? even[j] : best;
+        best = odd[j] > best ? odd[j] : best;
+        *nan |= any_nan[j] != 0;
+    }
+    return best;
+}
+
 /* The first id of the largest value (NaN above every number), as numpy's argmax, in one pass: each lane keeps its
    largest and the first vector's run it was in. */
 static int64_t argmax(const float *x, int64_t V) {
@@ -719,7 +740,8 @@ static int64_t draw_uncut(const float *row, int64_t V, float temperature, float 
     if (id >= 0)
         return id;
     int nan, rough = 1; /* rough: s->w holds float32 weights */
-    float lowest, lowest_finite, best = row_range(row, V, &nan, &lowest, &lowest_finite), kept = least;
+    float lowest, lowest_finite, kept = least;
+    float best = top_p < 1 ? row_range(row, V, &nan, &lowest, &lowest_finite) : row_best(row, V, &nan);
     best = nan ? __builtin_nanf("") : best; /* torch's amax: NaN wins */
     int near = !nan && isfinite(best);
     if (top_p < 1)
