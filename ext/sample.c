@@ -307,39 +307,9 @@ static double target_of(float u, double sum, int wide) {
     return wide ? (double)u * total : (double)(u * total);
 }
 
-/* invert_cdf's column, from weights w within 2**-23 of its own, relative (weigh_kept's float32 ones), and their
-   block sums: or -1 where that leaves it in doubt. Each sum invert_cdf compares is known within NEAR of itself
-   (the weights' error, and float64 rounding of other values), and so is the target (from the total's); the
-   column is taken only where every comparison invert_cdf makes, each monotone in its sum, comes out the same at
-   either end. The block the target falls in is weighed again with exp_vec, invert_cdf's own weights. */
+/* the relative error of a sum of weights within 2**-23 of exp_vec's each (exp_vec_float's), with float64's
+   rounding of the sum: invert_cdf_near's and cut_top_p's bound */
 #define NEAR 0x1p-22
-static int64_t invert_cdf_near(const float *x, float *w, int64_t n, float kept, float u, int wide,
-                               const double *block_sum) {
-    int64_t blocks = (n + BLOCK - 1) / BLOCK, b = 0;
-    double sum = 0, cdf = 0;
-    for (int64_t c = 0; c < blocks; c++)
-        sum += block_sum[c];
-    double low = target_of(u, sum * (1 - NEAR), wide), high = target_of(u, sum * (1 + NEAR), wide);
-    for (; b < blocks - 1; cdf += block_sum[b++]) {
-        double next = cdf + block_sum[b];
-        if ((float)(next * (1 - NEAR)) > high)
-            break; /* surely past the target */
-        if (!((float)(next * (1 + NEAR)) <= low))
-            return -1; /* in doubt */
-    }
-    int64_t start = b * BLOCK, end = start + BLOCK < n ? start + BLOCK : n;
-    weigh_kept(x + start, end - start, kept, 1, w + start);
-    for (int64_t i = start; i < end; i++) {
-        if (!(x[i] >= kept))
-            continue;
-        cdf += w[i];
-        if ((float)(cdf * (1 - NEAR)) > high)
-            return i;
-        if (!((float)(cdf * (1 + NEAR)) <= low))
-            return -1;
-    }
-    return -1; /* the block's end: invert_cdf walks on, or takes n - 1 */
-}
 
 /* cut_sorted's walk over x[0..n), sorted best first, while not below floor: the mass before each value (*before: the
    mass above x[0], then to the value the walk stopped at) until it reaches target -> where the walk stopped;
@@ -730,6 +700,72 @@ static float top_p_kept(const float *row, int64_t V, float best, float lowest, f
     return kept;
 }
 
+/* invert_cdf's column, from block sums of weights within 2**-23 of its own, relative (exp_vec_float's): or -1
+   where that leaves it in doubt. Each sum invert_cdf compares is known within NEAR of itself, and so is the target
+   (from the total's); the column is taken only where every comparison invert_cdf makes, each monotone in its sum,
+   comes out the same at either end. The block the target falls in is scaled from the row into s->x and weighed
+   into s->w with exp_vec, invert_cdf's own weights. */
+static int64_t invert_cdf_near(const float *row, int64_t n, float best, float temperature, float kept, float u,
+                               int wide, struct scratch *s) {
+    int64_t blocks = (n + BLOCK - 1) / BLOCK, b = 0;
+    const double *block_sum = s->block_sum;
+    double sum = 0, cdf = 0;
+    for (int64_t c = 0; c < blocks; c++)
+        sum += block_sum[c];
+    double low = target_of(u, sum * (1 - NEAR), wide), high = target_of(u, sum * (1 + NEAR), wide);
+    for (; b < blocks - 1; cdf += block_sum[b++]) {
+        double next = cdf + block_sum[b];
+        if ((float)(next * (1 - NEAR)) > high)
+            break; /* surely past the target */
+        if (!((float)(next * (1 + NEAR)) <= low))
+            return -1; /* in doubt */
+    }
+    int64_t start = b * BLOCK, end = start + BLOCK < n ? start + BLOCK : n;
+    float *x = s->x, *w = s->w;
+    scale_row(row + start, end - start, best, temperature, FLOOR, x + start);
+    weigh_kept(x + start, end - start, kept, 1, w + start);
+    for (int64_t i = start; i < end; i++) {
+        if (!(x[i] >= kept))
+            continue;
+        cdf += w[i];
+        if ((float)(cdf * (1 - NEAR)) > high)
+            return i;
+        if (!((float)(cdf * (1 + NEAR)) <= low))
+            return -1;
+    }
+    return -1; /* the block's end: invert_cdf walks on, or takes n - 1 */
+}
+
+/* block_sums of a cut-free row's float32 weights (exp_vec_float's), its values scaled as scale_row scales them, in
+   one pass that stores only a run of 64 at a time: a run with none kept takes no exp */
+static void row_block_sums(const float *row, int64_t V, float best, float temperature, float kept, double *block_sum) {
+    for (int64_t start = 0; start < V; start += BLOCK) {
+        int64_t end = start + BLOCK < V ? start + BLOCK : V;
+        doubles sum = {0};
+        for (int64_t run = start; run < end; run += 64) {
+            int64_t stop = run + 64 < end ? run + 64 : end;
+            float x[64];
+            ints any = {0};
+            for (int64_t i = run; i < stop; i += LANES) { /* padded with NaN: never kept */
+                floats v = (load_vec(row, i, stop, __builtin_nanf("")) - best) / temperature;
+                v = blend(v < splat(FLOOR), splat(FLOOR), v);
+                any |= v >= splat(kept);
+                memcpy(x + (i - run), &v, sizeof v);
+            }
+            for (int64_t i = run; any_of(any) && i < stop; i += LANES) {
+                floats v;
+                memcpy(&v, x + (i - run), sizeof v);
+                floats e = blend(v >= splat(kept), exp_vec_float(v), splat(0.0f));
+                sum += __builtin_convertvector(__builtin_shufflevector(e, e, LOW_HALF), doubles) +
+                       __builtin_convertvector(__builtin_shufflevector(e, e, HIGH_HALF), doubles);
+            }
+        }
+        block_sum[start / BLOCK] = 0;
+        for (int j = 0; j < LANES / 2; j++)
+            block_sum[start / BLOCK] += sum[j];
+    }
+}
+
 /* A row with no top_k: every id's scaled value, clamped as the core clamps them, in id order (top-p on a peaked
    row: draw_top_p_peaked's few). Weighed in float32 first: where the row holds no NaN and its best is finite, the
    cut and the draw from those weights stand where no rounding could move them (cut_top_p, invert_cdf_near); else
@@ -740,23 +776,20 @@ static int64_t draw_uncut(const float *row, int64_t V, float temperature, float 
     if (id >= 0)
         return id;
     int nan, rough = 1; /* rough: s->w holds float32 weights */
-    float lowest, lowest_finite, kept = least;
+    float lowest = 0, lowest_finite = 0, kept = least; /* top-p's histogram reads them */
     float best = top_p < 1 ? row_range(row, V, &nan, &lowest, &lowest_finite) : row_best(row, V, &nan);
     best = nan ? __builtin_nanf("") : best; /* torch's amax: NaN wins */
     int near = !nan && isfinite(best);
-    if (top_p < 1)
+    if (top_p < 1) {
         kept = top_p_kept(row, V, best, lowest, lowest_finite, temperature, top_p, least, near, &rough, s);
-    else
-        for (int64_t start = 0; start < V; start += 2048) { /* weighed while the values are in the L1 cache */
-            int64_t n = start + 2048 < V ? 2048 : V - start;
-            scale_row(row + start, n, best, temperature, FLOOR, s->x + start);
-            weigh_kept(s->x + start, n, least, 0, s->w + start);
-        }
-    block_sums(s->x, s->w, V, kept, s->block_sum);
-    id = near && rough ? invert_cdf_near(s->x, s->w, V, kept, u, wide, s->block_sum) : -1;
+        block_sums(s->x, s->w, V, kept, s->block_sum);
+    } else
+        row_block_sums(row, V, best, temperature, kept, s->block_sum);
+    id = near && rough ? invert_cdf_near(row, V, best, temperature, kept, u, wide, s) : -1;
     if (id >= 0)
         return id;
-    if (rough) {
+    if (rough) { /* the row's every value, and exp_vec's weights */
+        scale_row(row, V, best, temperature, FLOOR, s->x);
         weigh_kept(s->x, V, kept, 1, s->w);
         block_sums(s->x, s->w, V, kept, s->block_sum);
     }
