@@ -4,10 +4,11 @@
    What the core does with a dozen torch ops over (rows, candidates) tensors and a sort of whole rows (top-p
    alone), this does a row at a time in a thread's cache, with no sort of a row: a top-k row's candidates come from
    top_k.c; top-p alone, on a peaked row, takes its cut from the few values within 8 nats of the best, the rest
-   weighed in float32 (draw_top_p_peaked), and elsewhere from a histogram of the row's weights, sorting (by radix)
-   only the bucket the cut falls in and its nonempty neighbours; a row without either weighs only the runs of 64 ids
-   that hold one that its min-p keeps (weigh_kept), in float32 first, and draws from those weights where no rounding
-   could move its column (invert_cdf_near).
+   weighed in float32 (draw_top_p_peaked), and elsewhere from a histogram of the row's float32 weights, sorting (by
+   radix) only the bucket the cut falls in and its nonempty neighbours, where no rounding could move the cut
+   (cut_top_p); a row without either sums the float32 weights of the runs of 64 ids that hold one its min-p keeps
+   into block sums in one pass (row_block_sums). Each draws from float32 weights where no rounding could move its
+   column (invert_cdf_near), and from exp_vec's elsewhere.
    The values it compares are the core's, bit for bit (the same float32 subtractions and divisions, sums in
    float64 stored as float32, as torch's CPU cumsum does); the weights are this file's exp, correctly rounded
    nearly always (torch's differs from it by an ulp in ~1% of values), and the long sums run in another order: a
@@ -165,12 +166,10 @@ static void scale_row(const float *row, int64_t n, float best, float temperature
     }
 }
 
-/* w[i] = exp(x[i]) where the draw reads it: a run of 64 values with none at least kept (NaN never is) takes no exp,
-   and its w is left as it was: every reader of w reads w[i] only where x[i] >= kept. A peaked row's min-p keeps a
-   few ids: most runs are skipped. (A top-k row's kept is -inf: only runs of NaN are skipped.) exact: exp_vec's
-   weights, the draw's; else exp_vec_float's, a third of the time, within 2**-23 of exp_vec's, relative (every float
-   of [-87, 0] checked), for invert_cdf_near. */
-static inline void weigh_kept(const float *x, int64_t n, float kept, int exact, float *w) {
+/* w[i] = exp_vec(x[i]) where the draw reads it: a run of 64 values with none at least kept (NaN never is) takes no
+   exp, and its w is left as it was: every reader of w reads w[i] only where x[i] >= kept. A peaked row's min-p keeps
+   a few ids: most runs are skipped. (A top-k row's kept is -inf: only runs of NaN are skipped.) */
+static inline void weigh_kept(const float *x, int64_t n, float kept, float *w) {
     for (int64_t run = 0; run < n; run += 64) {
         int64_t end = run + 64 < n ? run + 64 : n;
         ints any_kept = {0};
@@ -180,7 +179,7 @@ static inline void weigh_kept(const float *x, int64_t n, float kept, int exact, 
             continue;
         for (int64_t i = run; i < end; i += LANES) {
             floats v = load_vec(x, i, end, 0);
-            store_vec(w + i, exact ? exp_vec(v) : exp_vec_float(v), end - i < LANES ? end - i : LANES);
+            store_vec(w + i, exp_vec(v), end - i < LANES ? end - i : LANES);
         }
     }
 }
@@ -408,7 +407,7 @@ static int64_t draw_top_k(const float *row, int64_t V, int64_t k, float temperat
         int64_t G = groups_for(K, V);
         top_k_row(row, V, K, G, s->keys, 2 * K + 1024, s->group_max, s->values, s->ids);
         scale_row(s->values, K, s->values[0], temperature, -__builtin_inff(), s->x);
-        weigh_kept(s->x, K, -__builtin_inff(), 1, s->w);
+        weigh_kept(s->x, K, -__builtin_inff(), s->w);
         if (K < V && s->x[K - 1] >= s->x[k - 1]) {
             K = 2 * (K - 1) + 1 < V ? 2 * (K - 1) + 1 : V;
             continue;
@@ -451,7 +450,7 @@ static inline ints bucket_of(floats v, float scale) {
 
 /* scale_row's x, and every value's weight w, for a top-p row, and in the same pass each value's weight summed into
    its bucket's mass, 256 ids at a time (their buckets kept in the L1 cache). exact: exp_vec's weights, else
-   exp_vec_float's (weigh_kept's). */
+   exp_vec_float's. */
 static void scale_into_buckets(const float *row, int64_t n, float best, float temperature, float scale, int exact,
                                struct scratch *s) {
     double *mass = s->bucket_mass;
@@ -654,7 +653,7 @@ static int64_t draw_top_p_peaked(const float *row, int64_t V, float temperature,
         return -1;
     for (int64_t j = 0; j < n; j++) /* scaled as the core scales them */
         s->window[j] = (s->window[j] - best) / temperature;
-    weigh_kept(s->window, n, -__builtin_inff(), 1, s->w);
+    weigh_kept(s->window, n, -__builtin_inff(), s->w);
     /* The core's target lies within low..high. The rest's weights, each this file's float32 exp of a product, and
        of a difference from the best so far where the best rose (a value x off by up to ~5 |x| ulps, which move its
        weight by as many), are within 2**-16 of the core's down to 50 nats; past 40 nats they weigh below 1e-17
@@ -723,7 +722,7 @@ static int64_t invert_cdf_near(const float *row, int64_t n, float best, float te
     int64_t start = b * BLOCK, end = start + BLOCK < n ? start + BLOCK : n;
     float *x = s->x, *w = s->w;
     scale_row(row + start, end - start, best, temperature, FLOOR, x + start);
-    weigh_kept(x + start, end - start, kept, 1, w + start);
+    weigh_kept(x + start, end - start, kept, w + start);
     for (int64_t i = start; i < end; i++) {
         if (!(x[i] >= kept))
             continue;
@@ -790,7 +789,7 @@ static int64_t draw_uncut(const float *row, int64_t V, float temperature, float 
         return id;
     if (rough) { /* the row's every value, and exp_vec's weights */
         scale_row(row, V, best, temperature, FLOOR, s->x);
-        weigh_kept(s->x, V, kept, 1, s->w);
+        weigh_kept(s->x, V, kept, s->w);
         block_sums(s->x, s->w, V, kept, s->block_sum);
     }
     return invert_cdf(s->x, s->w, V, kept, u, wide, s->block_sum);
