@@ -660,7 +660,8 @@ static int64_t draw_top_p_peaked(const float *row, int64_t V, float temperature,
        each. Then the float32 roundings of the sum and of top_p x it (the 2**-22 also holds the ulp by which this
        file's exp of a candidate may differ from torch's, as the histogram's path's would). */
     double gathered = kept_sum(s->window, s->w, 0, n, -__builtin_inff()), error = rest * 0x1p-16 + V * 1e-17;
-    double low = top_p * (rest + gathered - error) * (1 - 0x1p-22), high = top_p * (rest + gathered + error) * (1 + 0x1p-22);
+    double low = top_p * (rest + gathered - error) * (1 - 0x1p-22);
+    double high = top_p * (rest + gathered + error) * (1 + 0x1p-22);
     if (gathered * (1 + 0x1p-20) < low) /* the cut lies below BAR: no walk reaches low */
         return -1;
     memcpy(s->values, s->window, sizeof(float) * n);
